@@ -1,0 +1,31 @@
+# `make demo` and `make test` each create .venv if missing and install with constraints.txt.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test demo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python -m trainer.demo
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) runs/ .pytest_cache

@@ -1,0 +1,1 @@
+"""Model families. Use `adapters.registry.get_adapter(name)`; nothing registers on import."""

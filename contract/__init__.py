@@ -1,0 +1,18 @@
+"""The one vocabulary of omni-rollout. Every stage imports its types from here."""
+from contract.artifacts import (ArtifactSpec, IOSpec, MediaArtifact, collect_artifacts,
+                                validate_artifact)
+from contract.enums import (DECODED_LAYOUT, Layout, MediaRole, Modality, Representation,
+                            SamplerKind, ScoreStatus, StopReason, Task, TimeConvention)
+from contract.errors import (ConfigError, ConflictingInputError, DuplicateInputError,
+                             InvalidRequestError, LimitExceededError, LoRAMapError,
+                             MediaFormatError, MissingArtifactError, NonFiniteError,
+                             OutputContractError, PolicyVersionError, QueueFullError,
+                             ReplicaFailedError, RequestCancelledError, RolloutError,
+                             ScorerFailedError, StartupCheckError, UndeclaredArtifactError,
+                             UnexpectedArtifactError)
+from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, TokenOutput, Trajectory
+from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,
+                              SamplingSpec, check_limits, check_requested_artifacts,
+                              normalize_media)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

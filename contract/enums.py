@@ -1,0 +1,91 @@
+"""Enumerations shared by every stage. Values are the JSON spelling."""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Modality(str, Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+class Representation(str, Enum):
+    LATENT = "latent"
+    DECODED = "decoded"
+
+
+class Layout(str, Enum):
+    """Per-sample axis order of an artifact's data (a leading batch axis B is always added).
+
+    Decoded layouts are the normalised vocabulary; latent layouts name the model-native form.
+    """
+
+    CHW = "CHW"              # decoded image, uint8
+    TCHW = "TCHW"            # decoded video, uint8
+    CT = "CT"                # decoded audio, float waveform (channels, samples)
+    LATENT_CHW = "latent:CHW"     # image latent
+    LATENT_CTHW = "latent:CTHW"   # video latent (channels, frames, h, w)
+    LATENT_CL = "latent:CL"       # audio latent (channels, length)
+    TOKENS = "tokens:ND"          # packed model-native token latent (tokens, dim)
+
+    @property
+    def ndim(self) -> int:
+        return _LAYOUT_NDIM[self]
+
+    @property
+    def is_latent(self) -> bool:
+        return self.value.startswith(("latent:", "tokens:"))
+
+
+_LAYOUT_NDIM = {
+    Layout.CHW: 3, Layout.TCHW: 4, Layout.CT: 2,
+    Layout.LATENT_CHW: 3, Layout.LATENT_CTHW: 4, Layout.LATENT_CL: 2, Layout.TOKENS: 2,
+}
+
+# Decoded layout each modality must use (normalised once, RFC 4.5).
+DECODED_LAYOUT = {Modality.IMAGE: Layout.CHW, Modality.VIDEO: Layout.TCHW, Modality.AUDIO: Layout.CT}
+
+
+class MediaRole(str, Enum):
+    """What a conditioning media input is for."""
+
+    IMAGE = "image"              # generic condition image; alias of FIRST_FRAME for video tasks
+    FIRST_FRAME = "first_frame"
+    LAST_FRAME = "last_frame"
+    REFERENCE = "reference"
+
+
+class SamplerKind(str, Enum):
+    SDE = "sde"              # FlowGRPO Euler-Maruyama SDE with Gaussian log-prob
+    ODE = "ode"              # deterministic Euler
+    CPS = "cps"              # coefficients-preserving sampling
+    DANCE_SDE = "dance_sde"  # DanceGRPO constant-eta SDE
+
+
+class TimeConvention(str, Enum):
+    """How a model reads time. Inside the project sigma=1 is noise, sigma=0 is data."""
+
+    NOISE_LEVEL = "noise_level"      # model time = sigma (scaled), velocity points to noise
+    DATA_PROGRESS = "data_progress"  # model time = 1 - sigma, velocity points to data (negated)
+
+
+class Task(str, Enum):
+    T2I = "t2i"
+    T2VA = "t2va"     # text -> video + audio
+    FL2VA = "fl2va"   # first/last frame + text -> video + audio
+    TEXT = "text"     # autoregressive text generation (AR strategy)
+
+
+class StopReason(str, Enum):
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    LENGTH = "length"          # AR: max tokens reached
+    EOS = "eos"                # AR: end-of-sequence token
+    ERROR = "error"
+
+
+class ScoreStatus(str, Enum):
+    OK = "ok"
+    MISSING = "missing"      # optional scorer failed or timed out; excluded and renormalised
+    FAILED = "failed"        # required scorer failed; the request fails with ScorerFailedError

@@ -1,0 +1,146 @@
+"""Typed errors. Each names the field, the expected and actual value and the request id.
+
+`RolloutError.to_dict()` is the JSON error body HTTP callers receive:
+{"error": {"type", "field", "message", ...}}. `http_status` says which 4xx/5xx it maps to.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class RolloutError(Exception):
+    http_status = 400
+    retryable = False
+
+    def __init__(self, message: str, *, field: str | None = None, expected: Any = None,
+                 actual: Any = None, request_id: str | None = None):
+        self.message = message
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+        self.request_id = request_id
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [self.message]
+        if self.field is not None:
+            parts.append(f"field={self.field}")
+        if self.expected is not None:
+            parts.append(f"expected={self.expected!r}")
+        if self.actual is not None:
+            parts.append(f"actual={self.actual!r}")
+        if self.request_id is not None:
+            parts.append(f"request_id={self.request_id}")
+        return "; ".join(parts)
+
+    def __reduce__(self):  # keep the fields across Ray's pickling of exceptions
+        return (_rebuild, (type(self), self.message, self.field, self.expected, self.actual,
+                           self.request_id))
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": type(self).__name__, "field": self.field,
+                                "message": self.message}
+        if self.expected is not None:
+            body["expected"] = _jsonable(self.expected)
+        if self.actual is not None:
+            body["actual"] = _jsonable(self.actual)
+        if self.request_id is not None:
+            body["request_id"] = self.request_id
+        return {"error": body}
+
+
+def _rebuild(cls, message, field, expected, actual, request_id):
+    return cls(message, field=field, expected=expected, actual=actual, request_id=request_id)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+# --- request validation (4xx) -------------------------------------------------------------
+class InvalidRequestError(RolloutError):
+    """A field has a value the contract does not allow."""
+
+
+class DuplicateInputError(InvalidRequestError):
+    """Two media inputs claim the same (modality, role), or two artifacts share a name."""
+
+
+class ConflictingInputError(InvalidRequestError):
+    """Two aliases of one condition disagree (exact shape/value equality, never broadcasting)."""
+
+
+class UndeclaredArtifactError(InvalidRequestError):
+    """A requested artifact name is not declared by the adapter's IOSpec."""
+
+
+class LimitExceededError(InvalidRequestError):
+    """A size the request asks for is beyond the configured limit."""
+    http_status = 413
+
+
+class NonFiniteError(InvalidRequestError):
+    """A tensor holds NaN or Inf."""
+
+
+class MediaFormatError(InvalidRequestError):
+    """Wrong dtype, layout, rank, or a missing fps / sample rate for a media tensor."""
+
+
+# --- output validation (server-side, 5xx) --------------------------------------------------
+class OutputContractError(RolloutError):
+    """A stage produced output that breaks the contract (never substituted, always raised)."""
+    http_status = 500
+
+
+class MissingArtifactError(OutputContractError):
+    """Declared and requested, but the producer did not return it."""
+
+
+class UnexpectedArtifactError(OutputContractError):
+    """Returned but not declared (or not requested)."""
+
+
+# --- runtime -------------------------------------------------------------------------------
+class QueueFullError(RolloutError):
+    """The engine queue is at its bound. Retry later."""
+    http_status = 503
+    retryable = True
+
+
+class RequestCancelledError(RolloutError):
+    http_status = 499
+
+
+class ReplicaFailedError(RolloutError):
+    """The replica serving the request died; the request was not answered and may be retried."""
+    http_status = 503
+    retryable = True
+
+
+class LoRAMapError(RolloutError):
+    """A LoRA could not be mapped onto the rollout model (unknown target, zero matches, shape)."""
+    http_status = 422
+
+
+class PolicyVersionError(RolloutError):
+    """A request names a policy version that is not resident / known, or is too stale."""
+    http_status = 409
+
+
+class ScorerFailedError(RolloutError):
+    """A required scorer failed for a sample. Never turned into a reward of 0."""
+    http_status = 502
+
+
+class ConfigError(RolloutError):
+    """A configuration value is invalid (raised at build time)."""
+
+
+class StartupCheckError(RolloutError):
+    """A trainer start-up check failed (time convention, LoRA map, token ids)."""
+    http_status = 500

@@ -1,0 +1,87 @@
+"""What comes back: trajectories, scores, rollout outputs and AR token outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from contract.artifacts import MediaArtifact
+from contract.enums import SamplerKind, ScoreStatus, StopReason
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The sampler's record for B rows of one request, in the project's sigma convention.
+
+    latents:          (B, W+1, *S) fp32 -- sampler state x before each window step and after the last
+    sigmas:           (N+1,) fp32       -- the full schedule, sigma_0 = 1 ... sigma_N = 0
+    model_timesteps:  (N,) fp32         -- the time value actually fed to the model at each step
+    log_probs:        (B, W) fp32       -- element-mean log-density of each window transition
+    window:           (start, end)      -- steps [start, end) used the stochastic sampler
+    """
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    model_timesteps: torch.Tensor
+    log_probs: torch.Tensor
+    window: tuple[int, int]
+    sampler: SamplerKind
+    noise_level: float
+    guidance_scale: float
+    seeds: tuple[int, ...]
+    policy_version: str
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.sigmas.shape[0]) - 1
+
+
+@dataclass(frozen=True)
+class ScorerOutput:
+    """Named scores of one scorer for B samples, with a status (and reason) per sample.
+
+    A score is None exactly where its sample's status is not OK: never a substituted 0.
+    """
+
+    scorer: str
+    scores: Mapping[str, tuple[float | None, ...]]
+    status: tuple[ScoreStatus, ...]
+    reasons: tuple[str | None, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.status)
+
+
+@dataclass(frozen=True)
+class RewardReport:
+    """Per-scorer outputs and the weighted total per sample (weights renormalised per sample)."""
+
+    by_scorer: Mapping[str, ScorerOutput]
+    total: tuple[float, ...]
+    weights: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class RolloutOutput:
+    request_id: str
+    artifacts: Mapping[str, MediaArtifact]
+    trajectory: Trajectory | None
+    policy_version: str
+    seeds: tuple[int, ...]
+    stop_reason: StopReason = StopReason.FINISHED
+    rewards: RewardReport | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """AR strategy output: generated ids with their log-probs."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: StopReason
+    policy_version: str

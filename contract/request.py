@@ -1,0 +1,231 @@
+"""The rollout request envelope (RFC 4.3): prompt tokens + media inputs + sampling spec.
+
+JSON-shaped parts (PromptBundle, SamplingSpec, RequestLimits) are frozen pydantic models with
+unknown fields forbidden; the envelope carries tensors, so it is a frozen dataclass.
+Token ids travel from the dataset to the encoder unchanged: nothing here decodes or re-tokenizes.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from contract.enums import MediaRole, Modality, SamplerKind, Task
+from contract.errors import (ConflictingInputError, DuplicateInputError, InvalidRequestError,
+                             LimitExceededError, MediaFormatError, NonFiniteError,
+                             UndeclaredArtifactError)
+
+
+class FrozenModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class PromptBundle(FrozenModel):
+    """Token ids of one prompt, exactly as the encoder's tokenizer produced them."""
+
+    token_ids: tuple[int, ...] = Field(description="Ids for the primary text encoder.")
+    attention_mask: tuple[int, ...] | None = Field(None, description="1 = real token, 0 = pad.")
+    negative_token_ids: tuple[int, ...] | None = Field(
+        None, description="Negative prompt ids; None = no negative prompt (unconditional branch "
+                          "uses the adapter's null condition); () = an explicitly empty prompt.")
+    encoder_token_ids: Mapping[str, tuple[int, ...]] = Field(
+        default_factory=dict, description="Ids for additional named encoders.")
+    processor_kwargs: Mapping[str, Any] = Field(default_factory=dict,
+                                                description="Forwarded to the model processor.")
+    text: str | None = Field(None, description="The prompt text, for scorers and logging only.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PromptBundle":
+        if len(self.token_ids) == 0:
+            raise ValueError("token_ids must not be empty")
+        if self.attention_mask is not None and len(self.attention_mask) != len(self.token_ids):
+            raise ValueError(f"attention_mask has {len(self.attention_mask)} entries, "
+                             f"token_ids has {len(self.token_ids)}")
+        return self
+
+
+class SamplingSpec(FrozenModel):
+    """How to sample one request's rows. Every row has its own seed."""
+
+    sampler: SamplerKind = SamplerKind.SDE
+    num_steps: int = Field(10, ge=1)
+    noise_level: float = Field(0.7, ge=0.0, le=2.0, description="SDE 'a' (FlowGRPO) / eta / CPS a.")
+    sde_window: tuple[int, int] | None = Field(
+        None, description="[start, end) steps that use the SDE; ODE outside. None = all steps "
+                          "but the last.")
+    guidance_scale: float = Field(1.0, ge=0.0)
+    seeds: tuple[int, ...] = Field(description="One seed per row (len = samples_per_prompt).")
+    height: int = Field(32, ge=8)
+    width: int = Field(32, ge=8)
+    num_frames: int = Field(1, ge=1)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """Resolved SDE window [start, end): the whole schedule minus the last step by default."""
+        if self.sampler == SamplerKind.ODE:
+            return (0, 0)
+        if self.sde_window is None:
+            return (0, max(self.num_steps - 1, 1))
+        return self.sde_window
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingSpec":
+        if len(self.seeds) == 0:
+            raise ValueError("seeds must hold one seed per row (got none)")
+        if self.sde_window is not None:
+            start, end = self.sde_window
+            if not 0 <= start < end <= self.num_steps:
+                raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= start < end <= "
+                                 f"num_steps={self.num_steps}")
+        return self
+
+
+class RequestLimits(FrozenModel):
+    """Bounds a request may ask for (configured per deployment)."""
+
+    max_prompts: int = 16
+    max_samples_per_prompt: int = 32
+    max_steps: int = 100
+    max_height: int = 1024
+    max_width: int = 1024
+    max_frames: int = 129
+    max_tokens: int = 512
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """A conditioning media tensor: decoded uint8 image CHW / video TCHW, or float audio CT."""
+
+    modality: Modality
+    role: MediaRole
+    data: torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt, `samples_per_prompt` rows (a GRPO group), the artifacts wanted back."""
+
+    prompt: PromptBundle
+    sampling: SamplingSpec
+    task: Task
+    media: tuple[MediaInput, ...] | None = None
+    requested_artifacts: tuple[str, ...] | None = None   # None = the adapter's defaults
+    policy_version: str | None = None                    # None = the replica's latest
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+_VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
+
+
+def _as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(data)) if isinstance(data, np.ndarray) else data
+
+
+def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
+                    request_id: str) -> dict[MediaRole, MediaInput]:
+    """Canonical role -> input. Rejects duplicates and conflicting aliases (RFC 4.3)."""
+    if media is None:
+        return {}
+    by_key: dict[tuple[Modality, MediaRole], int] = {}
+    canonical: dict[MediaRole, tuple[int, MediaInput]] = {}
+    for i, item in enumerate(media):
+        if not isinstance(item, MediaInput):
+            raise InvalidRequestError("media entries must be MediaInput", field=f"media[{i}]",
+                                      actual=type(item).__name__, request_id=request_id)
+        key = (item.modality, item.role)
+        if key in by_key:
+            raise DuplicateInputError(
+                "two media inputs share modality and role", field=f"media[{i}]",
+                expected="unique (modality, role)", actual=f"{item.modality.value}/"
+                f"{item.role.value} also at media[{by_key[key]}]", request_id=request_id)
+        by_key[key] = i
+        role = _VIDEO_FRAME_ROLES.get(item.role, item.role) if task == Task.FL2VA else item.role
+        tensor = _as_tensor(item.data)
+        _check_media_tensor(tensor, item.modality, f"media[{i}].data", request_id)
+        normalized = MediaInput(item.modality, role, tensor)
+        if role in canonical:
+            j, other = canonical[role]
+            if other.data.shape != tensor.shape or not torch.equal(other.data, tensor):
+                raise ConflictingInputError(
+                    f"media[{i}] ({item.role.value}) and media[{j}] are aliases of {role.value} "
+                    "but differ (exact shape and value equality is required)",
+                    field=f"media[{i}].data", expected=tuple(other.data.shape),
+                    actual=tuple(tensor.shape), request_id=request_id)
+            continue
+        canonical[role] = (i, normalized)
+    return {role: item for role, (_, item) in canonical.items()}
+
+
+def _check_media_tensor(data: torch.Tensor, modality: Modality, field_name: str,
+                        request_id: str) -> None:
+    if not isinstance(data, torch.Tensor):
+        raise MediaFormatError("media data must be a tensor or array", field=field_name,
+                               actual=type(data).__name__, request_id=request_id)
+    want_ndim = {Modality.IMAGE: 3, Modality.VIDEO: 4, Modality.AUDIO: 2}[modality]
+    if data.ndim != want_ndim:
+        raise MediaFormatError(f"{modality.value} input must have {want_ndim} dims",
+                               field=field_name, expected=want_ndim, actual=data.ndim,
+                               request_id=request_id)
+    if modality == Modality.AUDIO:
+        if not data.is_floating_point():
+            raise MediaFormatError("audio input must be a float waveform", field=field_name,
+                                   expected="float", actual=str(data.dtype), request_id=request_id)
+        if not bool(torch.isfinite(data).all()):
+            raise NonFiniteError("audio input holds NaN/Inf", field=field_name,
+                                 request_id=request_id)
+    elif data.dtype != torch.uint8:
+        raise MediaFormatError(f"{modality.value} input must be uint8 pixels in [0, 255]",
+                               field=field_name, expected="torch.uint8", actual=str(data.dtype),
+                               request_id=request_id)
+
+
+def check_limits(request: RolloutRequest, limits: RequestLimits) -> None:
+    """Fail closed on every size the request asks for."""
+    s, rid = request.sampling, request.request_id
+    checks = [
+        ("sampling.seeds", len(s.seeds), limits.max_samples_per_prompt),
+        ("sampling.num_steps", s.num_steps, limits.max_steps),
+        ("sampling.height", s.height, limits.max_height),
+        ("sampling.width", s.width, limits.max_width),
+        ("sampling.num_frames", s.num_frames, limits.max_frames),
+        ("prompt.token_ids", len(request.prompt.token_ids), limits.max_tokens),
+    ]
+    if request.prompt.negative_token_ids is not None:
+        checks.append(("prompt.negative_token_ids", len(request.prompt.negative_token_ids),
+                       limits.max_tokens))
+    for name, value, bound in checks:
+        if value > bound:
+            raise LimitExceededError(f"{name} is beyond the configured limit", field=name,
+                                     expected=f"<= {bound}", actual=value, request_id=rid)
+
+
+def check_requested_artifacts(request: RolloutRequest, declared: tuple[str, ...]) -> tuple[str, ...]:
+    """Resolve the requested names against the adapter's declared ones."""
+    names = request.requested_artifacts
+    if names is None:
+        return declared
+    if len(names) == 0:
+        raise InvalidRequestError("requested_artifacts is empty; pass None for the adapter's "
+                                  "defaults", field="requested_artifacts", expected="non-empty "
+                                  "or None", actual=[], request_id=request.request_id)
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise DuplicateInputError("artifact requested twice", field="requested_artifacts",
+                                      actual=name, request_id=request.request_id)
+        seen.add(name)
+        if name not in declared:
+            raise UndeclaredArtifactError("requested artifact is not declared by the adapter",
+                                          field="requested_artifacts", expected=list(declared),
+                                          actual=name, request_id=request.request_id)
+    return tuple(names)
