@@ -24,6 +24,7 @@ class ScoreRequest:
 class Scorer(Protocol):
     name: str
     required_artifacts: tuple[str, ...]     # artifact names it reads (decoded)
+    primary: str                            # the named score used as this scorer's reward
 
     def score(self, request: ScoreRequest) -> ScorerOutput:
         """Scores per sample. Raises a typed error for media it cannot read (latent, no fps...)."""
