@@ -1,8 +1,9 @@
 """The one vocabulary of omni-rollout. Every stage imports its types from here."""
 from contract.artifacts import (ArtifactSpec, IOSpec, MediaArtifact, collect_artifacts,
                                 validate_artifact)
-from contract.enums import (DECODED_LAYOUT, Layout, MediaRole, Modality, Representation,
-                            SamplerKind, ScoreStatus, StopReason, Task, TimeConvention)
+from contract.enums import (DECODED_LAYOUT, Algorithm, Layout, MediaRole, Modality,
+                            Representation, SamplerKind, ScoreStatus, StopReason, Task,
+                            TimeConvention)
 from contract.errors import (ConfigError, ConflictingInputError, DuplicateInputError,
                              InvalidRequestError, LimitExceededError, LoRAMapError,
                              MediaFormatError, MissingArtifactError, NonFiniteError,

@@ -89,3 +89,11 @@ class ScoreStatus(str, Enum):
     OK = "ok"
     MISSING = "missing"      # optional scorer failed or timed out; excluded and renormalised
     FAILED = "failed"        # required scorer failed; the request fails with ScorerFailedError
+
+
+class Algorithm(str, Enum):
+    """The trainer's RL objective (trainer/algorithms)."""
+
+    NFT = "nft"              # DiffusionNFT (forward-process, old-policy rollouts)
+    FLOW_GRPO = "flow_grpo"  # clipped surrogate on SDE transition log-probs
+    DPO = "dpo"              # Diffusion-DPO on (best, worst) pairs per prompt
