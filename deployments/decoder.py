@@ -1,0 +1,80 @@
+"""Decoder stage: one deployment per latent kind (image/video VAE, audio VAE).
+
+Receives the rollout stage's handles, fetches only its own latent from the object store, decodes
+only the decoded artifacts that were requested, and returns new handles (plus previews on request).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import ray
+import torch
+
+from adapters.registry import get_adapter
+from contract import (ArtifactHandle, MediaArtifact, MissingArtifactError, Representation,
+                      StageOutput, UndeclaredArtifactError, validate_artifact)
+from deployments.metrics import StageMetrics
+from deployments.previews import preview_urls
+
+
+def put_artifact(artifact: MediaArtifact) -> ArtifactHandle:
+    """Object-store an artifact; return the small handle the graph moves around."""
+    return ArtifactHandle(spec=artifact.spec, shape=tuple(artifact.data.shape),
+                          dtype=str(artifact.data.dtype).replace("torch.", ""),
+                          ref=ray.put(artifact), metadata=dict(artifact.metadata))
+
+
+class DecoderServer:
+    """Decodes the latent artifact `latent_name` into its requested decoded artifacts."""
+
+    def __init__(self, adapter: str, weights_path: str | None, latent_name: str,
+                 max_preview_pixels: int):
+        self.adapter = get_adapter(adapter)
+        self.latent_name = latent_name
+        self.outputs = tuple(a for a in self.adapter.io_spec.artifacts
+                             if a.representation == Representation.DECODED
+                             and a.source == latent_name)
+        if not self.outputs:
+            raise UndeclaredArtifactError(f"{adapter} declares no decoded artifact from "
+                                          f"{latent_name!r}", field="latent_name",
+                                          actual=latent_name)
+        self.decoders = self.adapter.load(weights_path).decoders
+        self.max_preview_pixels = max_preview_pixels
+        self.metrics = StageMetrics(f"decoder:{latent_name}")
+
+    async def decode(self, latents: StageOutput, names: Sequence[str],
+                     preview: bool = False) -> StageOutput:
+        wanted = [spec for spec in self.outputs if spec.name in names]
+        if len(wanted) != len(names):
+            raise UndeclaredArtifactError(f"decoder for {self.latent_name!r} cannot produce "
+                                          "these artifacts", field="names",
+                                          expected=[s.name for s in self.outputs],
+                                          actual=list(names), request_id=latents.request_id)
+        handle = latents.artifacts.get(self.latent_name)
+        if handle is None:
+            raise MissingArtifactError("the rollout did not return the latent to decode",
+                                       field=f"artifacts.{self.latent_name}",
+                                       actual=sorted(latents.artifacts),
+                                       request_id=latents.request_id)
+        latent: MediaArtifact = await handle.ref
+        with self.metrics.track(latent.batch_size):
+            produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id)
+        handles = {a.name: put_artifact(a) for a in produced}
+        previews = ({a.name: preview_urls(a, self.max_preview_pixels) for a in produced}
+                    if preview else {})
+        return StageOutput(request_id=latents.request_id, artifacts=handles,
+                           policy_version=latents.policy_version, seeds=latents.seeds,
+                           stop_reason=latents.stop_reason, previews=previews)
+
+    def _decode(self, latent: MediaArtifact, wanted, request_id: str) -> list[MediaArtifact]:
+        out = []
+        with torch.inference_mode():
+            for spec in wanted:
+                data = self.adapter.decode(self.decoders, self.latent_name, latent.data)
+                metadata = {k: v for k, v in (("fps", spec.fps),
+                                              ("sample_rate", spec.sample_rate)) if v}
+                artifact = MediaArtifact(spec, data.contiguous(), metadata)
+                validate_artifact(artifact, request_id)
+                out.append(artifact)
+        return out

@@ -1,0 +1,48 @@
+"""Small decoded media as data URLs for HTTP callers (PNG for images / video frame strips, WAV
+for audio). Only decoded artifacts are previewed: a latent is never passed off as a preview."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import soundfile
+import torch
+from PIL import Image
+
+from contract import MediaArtifact, MediaFormatError, Modality, Representation
+
+
+def _png(pixels_hwc: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels_hwc).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav(waveform_ct: np.ndarray, sample_rate: int) -> str:
+    buf = io.BytesIO()
+    soundfile.write(buf, waveform_ct.T, sample_rate, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def preview_urls(artifact: MediaArtifact, max_pixels: int) -> tuple[str, ...]:
+    """One data URL per sample. Refuses latents and media larger than `max_pixels`."""
+    spec = artifact.spec
+    if spec.representation != Representation.DECODED:
+        raise MediaFormatError("only decoded artifacts have previews",
+                               field=f"artifacts.{spec.name}.representation",
+                               expected="decoded", actual=spec.representation.value)
+    data = artifact.data
+    if spec.modality == Modality.AUDIO:
+        wave = data.to(torch.float32).clamp(-1, 1).numpy()
+        return tuple(_wav(w, int(artifact.sample_rate)) for w in wave)
+    per_sample = int(np.prod(data.shape[1:])) // 3
+    if per_sample > max_pixels:
+        raise MediaFormatError("media too large for an inline preview",
+                               field=f"artifacts.{spec.name}", expected=f"<= {max_pixels} pixels",
+                               actual=per_sample)
+    if spec.modality == Modality.IMAGE:                       # (B, C, H, W)
+        return tuple(_png(x.permute(1, 2, 0).numpy()) for x in data)
+    # video (B, T, C, H, W) -> one strip of frames per sample, (H, T*W, C)
+    return tuple(_png(x.permute(2, 0, 3, 1).reshape(x.shape[2], -1, x.shape[1]).numpy())
+                 for x in data)
