@@ -87,6 +87,7 @@ class DiffusionAdapter(ABC):
     lora_map: LoRATargetMap
     schedule_shift: float = 1.0
     model_time_scale: float = 1000.0               # model time = scale * (sigma or 1 - sigma)
+    sampling_defaults: Mapping[str, int] = {}      # e.g. {"height": 32, "width": 32, "num_frames": 1}
 
     # ---- components -------------------------------------------------------------------
     @abstractmethod
