@@ -1,0 +1,219 @@
+"""One sampler step from sigma to sigma_next, with the transition's log-probability.
+
+Conventions (notes/rl_algorithms.md section 0): sigma=1 noise, sigma=0 data, v = eps - x0,
+dt = sigma_next - sigma < 0. Every row may sit at a different step: `sigma` and `sigma_next` are
+(B,) and broadcast over the sample axes. All math is fp32 (bf16 overflows in the log-density).
+
+Kinds (notes section 1.1):
+  SDE        FlowGRPO Euler-Maruyama discretisation of the marginal-preserving reverse SDE
+             (Liu et al. 2025, arXiv 2505.05470, eq. 9), std_dev_t = a * sqrt(sigma / (1 - sigma)).
+  ODE        deterministic Euler, x + dt * v.
+  CPS        coefficients-preserving sampling (arXiv 2509.05952); its "log-prob" is the surrogate
+             -mean((x_next - mean)^2), not a density.
+  DANCE_SDE  DanceGRPO: the same drift with a constant std_dev_t = eta.
+
+log-probs are the element-MEAN over the non-batch axes (not the sum), which keeps importance
+ratios near 1. With `prev_sample` given, the step scores that sample instead of drawing one (the
+trainer recomputes log-probs on a stored trajectory this way).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from contract.enums import SamplerKind
+from contract.errors import InvalidRequestError
+from diffusion._checks import (check_float_tensor, check_per_row, check_row_sigma,
+                               check_same_shape, rows)
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """prev_sample, mean: (B, *S) fp32; log_prob: (B,) fp32 or None for a deterministic step;
+    std: (B,) transition std (0 for a deterministic step); sqrt_dt: (B,) sqrt(sigma - sigma_next),
+    so std_dev_t = std / sqrt_dt for the SDE kinds (used by KL terms on the SDE mean)."""
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor | None
+    mean: torch.Tensor
+    std: torch.Tensor
+    sqrt_dt: torch.Tensor
+
+
+def log_prob_of(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Element-mean log N(prev_sample; mean, std^2 I) per row. prev/mean: (B, *S); std: (B,) > 0.
+
+    log p = mean_over_S[ -(x - mean)^2 / (2 std^2) - log std - log sqrt(2 pi) ]   -> (B,)
+    """
+    prev_sample = check_float_tensor(prev_sample, "prev_sample").float()
+    mean = check_same_shape(mean, prev_sample, "mean").float()
+    std = check_per_row(std, prev_sample.shape[0], "std").float()
+    if not bool((std > 0).all()):
+        raise InvalidRequestError("log-density needs std > 0 (a deterministic step has none)",
+                                  field="std", expected="> 0", actual=std.tolist())
+    s = rows(std, prev_sample.ndim)
+    elem = -((prev_sample - mean) ** 2) / (2 * s ** 2) - torch.log(s) - _LOG_SQRT_2PI
+    return elem.flatten(1).mean(dim=1)
+
+
+def _surrogate_log_prob(prev_sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """CPS surrogate: -mean_over_S (x - mean)^2, no 1/(2 std^2), no normaliser (notes 1.1)."""
+    return -((prev_sample - mean) ** 2).flatten(1).mean(dim=1)
+
+
+def _prepare(x, v, sigma, sigma_next, noise_level, noise, prev_sample):
+    """Validate and upcast the inputs of a step. Returns fp32 (x, v, sigma, sigma_next, noise,
+    prev_sample) with noise / prev_sample None where not given."""
+    x = check_float_tensor(x, "x")
+    if x.ndim < 1:
+        raise InvalidRequestError("x needs a leading batch axis", field="x", expected="(B, ...)",
+                                  actual=tuple(x.shape))
+    v = check_same_shape(v, x, "v")
+    batch = x.shape[0]
+    sigma = check_row_sigma(sigma, batch, "sigma")
+    sigma_next = check_row_sigma(sigma_next, batch, "sigma_next")
+    if not bool((sigma_next < sigma).all()):
+        raise InvalidRequestError("each row must step down in noise (sigma_next < sigma)",
+                                  field="sigma_next", expected=f"< {sigma.tolist()}",
+                                  actual=sigma_next.tolist())
+    if isinstance(noise_level, bool) or not isinstance(noise_level, (int, float)) \
+            or not math.isfinite(noise_level) or noise_level < 0:
+        raise InvalidRequestError("noise_level must be a finite number >= 0", field="noise_level",
+                                  expected=">= 0", actual=noise_level)
+    if noise is not None and prev_sample is not None:
+        raise InvalidRequestError("give either noise (to draw a sample) or prev_sample (to score "
+                                  "one), not both", field="prev_sample", expected="None",
+                                  actual="a tensor")
+    if noise is not None:
+        noise = check_same_shape(noise, x, "noise").float()
+    if prev_sample is not None:
+        prev_sample = check_same_shape(prev_sample, x, "prev_sample").float()
+    return x.float(), v.float(), sigma.float(), sigma_next.float(), noise, prev_sample
+
+
+def _finish(mean: torch.Tensor, std: torch.Tensor, sqrt_dt: torch.Tensor, noise_level: float,
+            noise: torch.Tensor | None, prev_sample: torch.Tensor | None,
+            score: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+            ) -> StepOutput:
+    """Draw (or take) the next sample of N(mean, std^2 I) and score it."""
+    if noise_level == 0:
+        # deterministic: the step is the Euler step and has no density (notes 1.1, last bullet)
+        if prev_sample is not None:
+            raise InvalidRequestError("a log-prob is undefined at noise_level 0", field="prev_sample",
+                                      expected="None", actual="a tensor")
+        return StepOutput(mean, None, mean, torch.zeros_like(std), sqrt_dt)
+    if prev_sample is None:
+        if noise is None:
+            raise InvalidRequestError("a stochastic step needs noise (or prev_sample to score)",
+                                      field="noise", expected="tensor (B, *S)", actual=None)
+        prev_sample = mean + rows(std, mean.ndim) * noise
+    return StepOutput(prev_sample, score(prev_sample, mean, std), mean, std, sqrt_dt)
+
+
+def _gaussian(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return log_prob_of(prev_sample, mean, std)
+
+
+def _surrogate(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return _surrogate_log_prob(prev_sample, mean)
+
+
+def _sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.Tensor,
+              std_dev_t: torch.Tensor) -> torch.Tensor:
+    """Euler-Maruyama mean of dx = [v + std_dev_t^2/(2 sigma) (x + (1-sigma) v)] dt.
+    x, v: (B, *S); sigma, dt, std_dev_t: (B,)."""
+    s, d, g = (rows(t, x.ndim) for t in (sigma, dt, std_dev_t))
+    return x * (1 + g ** 2 * d / (2 * s)) + v * (1 + g ** 2 * (1 - s) / (2 * s)) * d
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             noise_level: float, noise: torch.Tensor | None = None,
+             prev_sample: torch.Tensor | None = None) -> StepOutput:
+    """FlowGRPO SDE step (notes 1.1). noise_level is `a` in std_dev_t = a sqrt(sigma/(1-sigma)).
+
+    At sigma == 1 (exact float equality) the denominator uses sigma_next instead of sigma, the
+    reference's guard against 1/0 (notes 6 item 2).
+    """
+    x, v, sigma, sigma_next, noise, prev_sample = _prepare(x, v, sigma, sigma_next, noise_level,
+                                                           noise, prev_sample)
+    dt = sigma_next - sigma                                                   # (B,) < 0
+    denom = 1 - torch.where(sigma == 1, sigma_next, sigma)                    # (B,)
+    std_dev_t = noise_level * torch.sqrt(sigma / denom)                       # (B,)
+    sqrt_dt = torch.sqrt(-dt)
+    mean = _sde_mean(x, v, sigma, dt, std_dev_t)
+    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, noise_level, noise, prev_sample, _gaussian)
+
+
+def dance_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                   sigma_next: torch.Tensor, noise_level: float,
+                   noise: torch.Tensor | None = None,
+                   prev_sample: torch.Tensor | None = None) -> StepOutput:
+    """DanceGRPO step: the SDE drift with a constant std_dev_t = eta (= noise_level) and
+    transition std eta * sqrt(sigma - sigma_next) (notes 1.1, notes 5 item 3)."""
+    x, v, sigma, sigma_next, noise, prev_sample = _prepare(x, v, sigma, sigma_next, noise_level,
+                                                           noise, prev_sample)
+    dt = sigma_next - sigma
+    std_dev_t = torch.full_like(sigma, float(noise_level))
+    sqrt_dt = torch.sqrt(-dt)
+    mean = _sde_mean(x, v, sigma, dt, std_dev_t)
+    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, noise_level, noise, prev_sample, _gaussian)
+
+
+def cps_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             noise_level: float, noise: torch.Tensor | None = None,
+             prev_sample: torch.Tensor | None = None) -> StepOutput:
+    """Coefficients-preserving step (arXiv 2509.05952): re-noise the x0 estimate to sigma_next
+    with a share std = sigma_next sin(a pi/2) of fresh noise.
+
+    mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat,
+    x0_hat = x - sigma v, eps_hat = x + (1 - sigma) v. log_prob is the CPS surrogate.
+    """
+    x, v, sigma, sigma_next, noise, prev_sample = _prepare(x, v, sigma, sigma_next, noise_level,
+                                                           noise, prev_sample)
+    std = sigma_next * math.sin(noise_level * math.pi / 2)                    # (B,)
+    s, sn, st = (rows(t, x.ndim) for t in (sigma, sigma_next, std))
+    x0_hat = x - s * v
+    eps_hat = x + (1 - s) * v
+    mean = (1 - sn) * x0_hat + torch.sqrt((sn ** 2 - st ** 2).clamp_min(0)) * eps_hat
+    sqrt_dt = torch.sqrt(sigma - sigma_next)
+    return _finish(mean, std, sqrt_dt, noise_level, noise, prev_sample, _surrogate)
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             noise_level: float = 0.0, noise: torch.Tensor | None = None,
+             prev_sample: torch.Tensor | None = None) -> StepOutput:
+    """Euler step x + (sigma_next - sigma) v. noise_level and noise are ignored (the signature
+    matches the other kinds); an ODE step has no density, so prev_sample is refused."""
+    if prev_sample is not None:
+        raise InvalidRequestError("an ODE step has no log-prob to recompute", field="prev_sample",
+                                  expected="None", actual="a tensor")
+    x, v, sigma, sigma_next, _, _ = _prepare(x, v, sigma, sigma_next, 0.0, None, None)
+    dt = sigma_next - sigma
+    mean = x + rows(dt, x.ndim) * v
+    return StepOutput(mean, None, mean, torch.zeros_like(sigma), torch.sqrt(-dt))
+
+
+_STEPS: dict[SamplerKind, Callable[..., StepOutput]] = {
+    SamplerKind.SDE: sde_step,
+    SamplerKind.ODE: ode_step,
+    SamplerKind.CPS: cps_step,
+    SamplerKind.DANCE_SDE: dance_sde_step,
+}
+
+
+def sampler_step(kind: SamplerKind | str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                 sigma_next: torch.Tensor, noise_level: float, noise: torch.Tensor | None,
+                 prev_sample: torch.Tensor | None = None) -> StepOutput:
+    """Dispatch one step by sampler kind. x, v, noise, prev_sample: (B, *S); sigma(_next): (B,)."""
+    try:
+        kind = SamplerKind(kind)
+    except ValueError:
+        raise InvalidRequestError("unknown sampler kind", field="sampler",
+                                  expected=[k.value for k in SamplerKind], actual=kind) from None
+    return _STEPS[kind](x, v, sigma, sigma_next, noise_level, noise=noise,
+                        prev_sample=prev_sample)
