@@ -1,0 +1,158 @@
+"""Group-relative advantages, the DiffusionNFT optimality probability, and DPO pair selection.
+
+References: FlowGRPO (arXiv 2505.05470, Sec. 4.1, "GRPO on flow matching": A_i = (R_i - mean) / std),
+DiffusionNFT (arXiv 2509.16117, Eq. 9: r = 1/2 + 1/2 clip((R - E[R|c]) / Z_c, -1, 1)),
+Diffusion-DPO (arXiv 2311.12908) with (best, worst) pairs per prompt as in Flow-DPO (arXiv 2501.13918).
+Shapes: B = samples in the batch; groups are the samples of one prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Hashable, Sequence
+
+import torch
+
+from contract import ConfigError, InvalidRequestError, NonFiniteError
+
+
+class AdvantageMode(str, Enum):
+    """How NFT turns an advantage into the optimality probability r (before the /c mapping)."""
+
+    CONTINUOUS = "continuous"        # A clipped to [-c, c]
+    POSITIVE_ONLY = "positive_only"  # A clipped to [0, c]   -> r >= 1/2
+    NEGATIVE_ONLY = "negative_only"  # A clipped to [-c, 0]  -> r <= 1/2
+    ONE_ONLY = "one_only"            # A := 1 if A > 0 else 0 -> r in {1/2, 1/2 + 1/(2c)}
+    BINARY = "binary"                # A := sign(A)          -> r in {1/2 - 1/(2c), 1/2, 1/2 + 1/(2c)}
+
+
+def _check_rewards(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> None:
+    if rewards.ndim != 1:
+        raise InvalidRequestError("rewards must be 1-D (one scalar per sample)", field="rewards",
+                                  expected="shape (B,)", actual=tuple(rewards.shape))
+    if len(group_ids) != rewards.shape[0]:
+        raise InvalidRequestError("one group id per reward", field="group_ids",
+                                  expected=rewards.shape[0], actual=len(group_ids))
+    if not torch.isfinite(rewards).all():
+        raise NonFiniteError("rewards hold NaN/Inf", field="rewards",
+                             actual=rewards[~torch.isfinite(rewards)].tolist())
+
+
+def group_index(group_ids: Sequence[Hashable]) -> tuple[torch.Tensor, int]:
+    """Dense group index per sample in first-seen order: (B,) int64, and the number of groups G."""
+    first_seen: dict[Hashable, int] = {}
+    index = [first_seen.setdefault(g, len(first_seen)) for g in group_ids]
+    return torch.tensor(index, dtype=torch.long), len(first_seen)
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable], *,
+                     global_std: bool = True, ddof: int = 0, eps: float = 1e-4,
+                     adv_clip_max: float | None = None) -> torch.Tensor:
+    """A_i = (R_i - mean_{j in g(i)} R_j) / (std + eps), optionally clipped to +-adv_clip_max.
+
+    FlowGRPO Sec. 4.1; the per-prompt stat tracker of the reference code. `global_std=True` (the
+    SD3 default) divides by the std of ALL rewards in the batch, else by the group's own std.
+    `ddof=0` is the population std (numpy default, FlowGRPO); `ddof=1` the sample std (torch
+    default, as some reimplementations use). A group too small for its std (size <= ddof, e.g. a
+    single sample) has A = 0: its deviation from its own mean is exactly 0.
+
+    Args:
+        rewards: (B,) total reward per sample.
+        group_ids: B hashable keys (prompt id); samples with equal keys form a group.
+    Returns:
+        (B,) float32 advantages, zero-mean within every group.
+    """
+    _check_rewards(rewards, group_ids)
+    if eps <= 0:
+        raise ConfigError("eps must be > 0", field="eps", expected="> 0", actual=eps)
+    if ddof not in (0, 1):
+        raise ConfigError("ddof must be 0 or 1", field="ddof", expected=(0, 1), actual=ddof)
+    if adv_clip_max is not None and adv_clip_max <= 0:
+        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
+    r = rewards.double()                                                    # (B,)
+    index, num_groups = group_index(group_ids)                              # (B,), G
+    counts = torch.bincount(index, minlength=num_groups).double()           # (G,)
+    means = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, index, r) / counts  # (G,)
+    centred = r - means[index]                                              # (B,)
+    if global_std:
+        if r.shape[0] <= ddof:
+            std = torch.zeros_like(r)
+        else:
+            std = r.std(correction=ddof).expand_as(r)                       # (B,)
+    else:
+        sq = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, index, centred ** 2)  # (G,)
+        dof = (counts - ddof).clamp(min=1.0)
+        std = (sq / dof).sqrt()[index]                                      # (B,)
+    advantages = centred / (std + eps)
+    advantages = torch.where(counts[index] > ddof, advantages, torch.zeros_like(advantages))
+    if adv_clip_max is not None:
+        advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return advantages.float()
+
+
+def optimality_probability(advantages: torch.Tensor, adv_clip_max: float,
+                           mode: AdvantageMode = AdvantageMode.CONTINUOUS) -> torch.Tensor:
+    """DiffusionNFT optimality probability r = clamp(A'/c/2 + 1/2, 0, 1), c = adv_clip_max.
+
+    DiffusionNFT Eq. 9 with Z_c = c * std; A' is A transformed by `mode` (see AdvantageMode).
+    Table for CONTINUOUS, c = 5: A in {-10,-5,-2.5,0,2.5,5,10} -> r in {0,0,.25,.5,.75,1,1}.
+
+    Args:
+        advantages: (B,) advantages. Returns (B,) r in [0, 1], same dtype.
+    """
+    if adv_clip_max <= 0:
+        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
+    if not torch.isfinite(advantages).all():
+        raise NonFiniteError("advantages hold NaN/Inf", field="advantages")
+    c = adv_clip_max
+    mode = AdvantageMode(mode)
+    if mode is AdvantageMode.CONTINUOUS:
+        a = advantages.clamp(-c, c)
+    elif mode is AdvantageMode.POSITIVE_ONLY:
+        a = advantages.clamp(0.0, c)
+    elif mode is AdvantageMode.NEGATIVE_ONLY:
+        a = advantages.clamp(-c, 0.0)
+    elif mode is AdvantageMode.ONE_ONLY:
+        a = (advantages > 0).to(advantages.dtype)
+    else:  # BINARY
+        a = torch.sign(advantages)
+    return (a / c / 2.0 + 0.5).clamp(0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class PreferencePairs:
+    """(winner, loser) sample indices, one pair per group with a strict reward preference.
+
+    winner, loser: (P,) int64 indices into the batch; groups: the P group ids, in pair order.
+    """
+
+    winner: torch.Tensor
+    loser: torch.Tensor
+    groups: tuple[Hashable, ...]
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.winner.shape[0])
+
+
+def best_worst_pairs(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> PreferencePairs:
+    """Per group: winner = argmax R, loser = argmin R (first index on ties).
+
+    Diffusion-DPO (arXiv 2311.12908, Eq. 14) trained on online pairs; Flow-DPO picks the best and
+    worst sample per prompt. Groups whose rewards are all equal (including single-sample groups)
+    carry no preference and yield no pair; the caller decides what an empty batch means.
+    """
+    _check_rewards(rewards, group_ids)
+    index, num_groups = group_index(group_ids)
+    keys = list(dict.fromkeys(group_ids))
+    winners, losers, groups = [], [], []
+    for g in range(num_groups):
+        members = torch.nonzero(index == g).flatten()                       # (n_g,)
+        values = rewards[members]
+        best, worst = members[values.argmax()], members[values.argmin()]
+        if rewards[best] > rewards[worst]:
+            winners.append(int(best))
+            losers.append(int(worst))
+            groups.append(keys[g])
+    return PreferencePairs(torch.tensor(winners, dtype=torch.long),
+                           torch.tensor(losers, dtype=torch.long), tuple(groups))

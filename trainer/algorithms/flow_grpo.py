@@ -1,0 +1,175 @@
+"""FlowGRPO: PPO-style clipped surrogate on the SDE transition log-probs of a stored trajectory.
+
+Reference: Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL" (arXiv 2505.05470),
+Eq. 7-9 (clipped GRPO objective with KL to the reference) and Sec. 4.1 (ODE->SDE conversion).
+The log-prob of step j is recomputed by the trainer with `diffusion.samplers.sampler_step(...,
+prev_sample=x_{j+1})` on the stored fp32 (x_j, x_{j+1}); `old_log_prob` is the rollout's value.
+Shapes: B = samples, K = trained steps, *S = per-sample state shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from contract import ConfigError, InvalidRequestError, NonFiniteError, Trajectory
+
+
+class KLTarget(str, Enum):
+    """Where the KL to the reference policy is measured."""
+
+    SDE_MEAN = "sde_mean"    # mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2)  (FlowGRPO default)
+    VELOCITY = "velocity"    # mean_elems((v_theta - v_ref)^2)  (train without CFG, test with CFG)
+
+
+def trainable_step_indices(sigmas: torch.Tensor, window: tuple[int, int],
+                           max_steps: int | None = None) -> list[int]:
+    """Steps j in window [start, end) whose transition is trainable: sigma_{j+1} > 0.
+
+    The step into sigma = 0 (the last one) is never trained: its Gaussian is extremely sharp and the
+    log-prob overflows (FlowGRPO Sec. 5 / timestep_fraction = 0.99). `max_steps` keeps the first ones.
+
+    Args:
+        sigmas: (N+1,) schedule, sigmas[0] = 1 ... sigmas[N] = 0.
+        window: (start, end) stochastic steps of the rollout, 0 <= start <= end <= N.
+    Raises:
+        InvalidRequestError: window outside the schedule. ConfigError: nothing left to train.
+    """
+    num_steps = int(sigmas.shape[0]) - 1
+    start, end = window
+    if not 0 <= start <= end <= num_steps:
+        raise InvalidRequestError("window outside the schedule", field="window",
+                                  expected=f"0 <= start <= end <= {num_steps}", actual=window)
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError("max_steps must be >= 1", field="max_steps", actual=max_steps)
+    steps = [j for j in range(start, end) if float(sigmas[j + 1]) > 0.0]
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    if not steps:
+        raise ConfigError("the window has no trainable step (only steps into sigma = 0)",
+                          field="window", expected="a step with sigma_next > 0", actual=window)
+    return steps
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One stored transition x_j -> x_{j+1} of a trajectory (all fp32)."""
+
+    step: int                    # absolute step index j
+    x: torch.Tensor              # (B, *S) state before the step
+    x_next: torch.Tensor         # (B, *S) state after the step
+    sigma: float                 # sigma_j
+    sigma_next: float            # sigma_{j+1}
+    old_log_prob: torch.Tensor   # (B,) rollout-time element-mean log-prob
+
+
+def window_step(trajectory: Trajectory, step: int) -> WindowStep:
+    """The stored transition of absolute step `step` (latents hold window steps only)."""
+    start, end = trajectory.window
+    if not start <= step < end:
+        raise InvalidRequestError("step outside the trajectory window", field="step",
+                                  expected=f"[{start}, {end})", actual=step)
+    k = step - start
+    return WindowStep(step, trajectory.latents[:, k], trajectory.latents[:, k + 1],
+                      float(trajectory.sigmas[step]), float(trajectory.sigmas[step + 1]),
+                      trajectory.log_probs[:, k])
+
+
+def _elem_mean(x: torch.Tensor) -> torch.Tensor:  # (B, *S) -> (B,)
+    return x.flatten(1).mean(dim=1)
+
+
+def sde_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor,
+                std_dev_t: torch.Tensor | float) -> torch.Tensor:
+    """KL_j = mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2), per sample.
+
+    FlowGRPO Eq. 9 in the current reference form (the sqrt(-dt) factor of the exact Gaussian KL is
+    dropped, so late steps weigh more). mean, ref_mean: (B, *S); std_dev_t: scalar or (B,) > 0.
+    Returns (B,).
+    """
+    std = torch.as_tensor(std_dev_t, dtype=mean.dtype, device=mean.device)
+    if (std <= 0).any():
+        raise InvalidRequestError("std_dev_t must be > 0 (an ODE step has no KL on the SDE mean)",
+                                  field="std_dev_t", expected="> 0", actual=std.tolist())
+    if mean.shape != ref_mean.shape:
+        raise InvalidRequestError("mean and ref_mean differ in shape", field="ref_mean",
+                                  expected=tuple(mean.shape), actual=tuple(ref_mean.shape))
+    return _elem_mean((mean - ref_mean) ** 2) / (2.0 * std ** 2)
+
+
+def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
+    """KL proxy on the velocity: mean_elems((v_theta - v_ref)^2), per sample. (B, *S) -> (B,)."""
+    if velocity.shape != ref_velocity.shape:
+        raise InvalidRequestError("velocity and ref_velocity differ in shape", field="ref_velocity",
+                                  expected=tuple(velocity.shape), actual=tuple(ref_velocity.shape))
+    return _elem_mean((velocity - ref_velocity) ** 2)
+
+
+@dataclass(frozen=True)
+class FlowGRPOLoss:
+    """loss carries the graph; the rest are detached scalars for logging."""
+
+    loss: torch.Tensor          # () policy_loss + kl_beta * kl
+    policy_loss: torch.Tensor   # () clipped surrogate
+    kl: torch.Tensor            # () mean KL term (0 when no KL is given)
+    clipfrac: torch.Tensor      # () fraction with |ratio - 1| > clip_range
+    approx_kl: torch.Tensor     # () 0.5 * mean((log_prob - old_log_prob)^2)
+    ratio_mean: torch.Tensor    # () mean importance ratio
+
+    def metrics(self) -> dict[str, float]:
+        return {name: float(getattr(self, name).detach()) for name in
+                ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio_mean")}
+
+
+def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                   *, clip_range: float, adv_clip_max: float, kl: torch.Tensor | None = None,
+                   kl_beta: float = 0.0) -> FlowGRPOLoss:
+    """L = mean( max(-A rho, -A clip(rho, 1-eps, 1+eps)) ) + kl_beta * mean(KL).
+
+    FlowGRPO Eq. 8: rho = exp(log p_theta(x_{j+1}|x_j) - log p_old(x_{j+1}|x_j)), A clipped to
+    +-adv_clip_max and shared by every step of a sample.
+
+    Args:
+        log_prob: (B,) or (B, K) recomputed element-mean log-probs (carry the graph).
+        old_log_prob: same shape, rollout-time log-probs (no graph).
+        advantages: (B,) group advantages.
+        kl: per-sample KL, same shape as log_prob (from sde_mean_kl / velocity_kl), or None.
+    """
+    if clip_range <= 0:
+        raise ConfigError("clip_range must be > 0", field="clip_range", actual=clip_range)
+    if adv_clip_max <= 0:
+        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
+    if kl_beta < 0:
+        raise ConfigError("kl_beta must be >= 0", field="kl_beta", actual=kl_beta)
+    if log_prob.shape != old_log_prob.shape:
+        raise InvalidRequestError("log_prob and old_log_prob differ in shape", field="old_log_prob",
+                                  expected=tuple(log_prob.shape), actual=tuple(old_log_prob.shape))
+    if advantages.ndim != 1 or advantages.shape[0] != log_prob.shape[0]:
+        raise InvalidRequestError("one advantage per sample", field="advantages",
+                                  expected=(log_prob.shape[0],), actual=tuple(advantages.shape))
+    if kl_beta > 0 and kl is None:
+        raise ConfigError("kl_beta > 0 needs a KL tensor", field="kl", expected="tensor",
+                          actual=None)
+    if not torch.isfinite(old_log_prob).all():
+        raise NonFiniteError("old_log_prob holds NaN/Inf", field="old_log_prob")
+    a = advantages.clamp(-adv_clip_max, adv_clip_max)                         # (B,)
+    a = a.reshape(a.shape + (1,) * (log_prob.ndim - 1))                      # (B, 1...) broadcast
+    log_ratio = log_prob - old_log_prob.detach()
+    ratio = torch.exp(log_ratio)                                              # rho
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()                    # Eq. 8 (pessimistic)
+    kl_term = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
+    if kl is not None:
+        if kl.shape != log_prob.shape:
+            raise InvalidRequestError("kl must match log_prob's shape", field="kl",
+                                      expected=tuple(log_prob.shape), actual=tuple(kl.shape))
+        kl_term = kl.mean()
+    loss = policy_loss + kl_beta * kl_term
+    with torch.no_grad():
+        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
+        approx_kl = 0.5 * (log_ratio ** 2).mean()
+        ratio_mean = ratio.mean()
+    return FlowGRPOLoss(loss, policy_loss.detach(), kl_term.detach(), clipfrac, approx_kl,
+                        ratio_mean)
