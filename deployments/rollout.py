@@ -1,0 +1,87 @@
+"""DiTRollout stage: wraps the rollout strategy (one engine loop per replica) and its LoRA slots.
+
+A request names the policy version to sample with; a version that is not resident is fetched on
+demand from the policy store (deployments/policy_store.py). New replicas start from the latest
+published version. Outputs leave as object-store handles (contract.transport), never inline.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Mapping, Sequence
+
+import ray
+import torch
+
+from adapters.base import TextCondition
+from contract import PolicyVersionError, RolloutRequest, StageOutput
+from deployments.decoder import put_artifact
+from deployments.metrics import StageMetrics
+from deployments.policy_store import get_policy_store
+from rollout.config import RolloutConfig
+from rollout.strategy import DiffusionStrategy, build_strategy
+
+BASE_VERSION = "base"
+
+
+class DiTRolloutServer:
+    def __init__(self, rollout: RolloutConfig, policy_store: str):
+        strategy = build_strategy(rollout)
+        if not isinstance(strategy, DiffusionStrategy):
+            raise TypeError("the DiTRollout stage serves the diffusion strategy")
+        self.strategy = strategy
+        self.engine = strategy.engine
+        self.store = get_policy_store(policy_store)
+        self.metrics = StageMetrics("rollout")
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def _ensure(self, version: str) -> str:
+        if version == BASE_VERSION or version in self.engine.versions():
+            return version
+        lock = self._locks.setdefault(version, asyncio.Lock())
+        async with lock:
+            if version not in self.engine.versions():
+                policy = await self.store.get.remote(version)
+                tensors = await policy.tensors[0]
+                await asyncio.to_thread(self.engine.load_lora, version, tensors, policy.scale)
+        return version
+
+    async def _resolve(self, requested: str | None) -> str:
+        if requested is not None:
+            return await self._ensure(requested)
+        latest = await self.store.latest.remote()
+        return await self._ensure(latest.version if latest is not None else BASE_VERSION)
+
+    async def rollout(self, request: RolloutRequest, cond: TextCondition,
+                      requested: Sequence[str], negative: TextCondition | None = None
+                      ) -> StageOutput:
+        version = await self._resolve(request.policy_version)
+        request = dataclasses.replace(request, policy_version=version,
+                                      requested_artifacts=tuple(requested))
+        with self.metrics.track(request.sampling.samples_per_prompt):
+            out = await self.strategy.generate(request, cond, negative)
+        handles = {name: put_artifact(a) for name, a in out.artifacts.items()}
+        return StageOutput(request_id=out.request_id, artifacts=handles,
+                           policy_version=out.policy_version, seeds=out.seeds,
+                           stop_reason=out.stop_reason, trajectory=ray.put(out.trajectory),
+                           metrics=dict(out.metrics))
+
+    async def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
+                        scale: float = 1.0) -> tuple[str, ...]:
+        if version == BASE_VERSION:
+            raise PolicyVersionError("'base' is the model without LoRA", field="version",
+                                     actual=version)
+        await asyncio.to_thread(self.engine.load_lora, version, tensors, scale)
+        return self.engine.versions()
+
+    async def ensure_version(self, version: str) -> tuple[str, ...]:
+        """Load `version` from the policy store now (a trainer may pre-warm replicas)."""
+        await self._ensure(version)
+        return self.engine.versions()
+
+    async def versions(self) -> tuple[str, ...]:
+        return self.engine.versions()
+
+    async def pid(self) -> int:
+        import os
+        return os.getpid()

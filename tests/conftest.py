@@ -1,0 +1,40 @@
+"""Shared fixtures. Ray is started once per session on loopback with a small object store."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # every Ray port on loopback
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster + Serve with its HTTP proxy on 127.0.0.1 (a free port)."""
+    import ray
+    from ray import serve
+
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(address="local", num_cpus=12, object_store_memory=512 * 2**20,
+             include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
+             namespace="omni-tests")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    yield {"metrics_port": metrics_port, "http_port": http_port}
+    serve.shutdown()
+    ray.shutdown()
