@@ -72,6 +72,7 @@ class ScorerSpec(Model):
 
     name: str
     kind: str = Field(description="Scorer kind, see rewards.registry.")
+    inputs: tuple[str, ...] = Field(min_length=1, description="Decoded artifact names it reads.")
     weight: float = Field(1.0, ge=0)
     required: bool = True
     timeout_s: float = Field(60.0, gt=0)

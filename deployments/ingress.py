@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from adapters.registry import get_adapter
-from contract import (GraphResult, InvalidRequestError, LimitExceededError, ReplicaFailedError,
+from contract import (GraphResult, InvalidRequestError, LimitExceededError, PromptBundle,
+                      ReplicaFailedError,
                       Representation, RolloutError, RolloutRequest, SamplingSpec, ScorerOutput,
                       StageOutput, check_limits, check_requested_artifacts, normalize_media)
 from contract.http import HTTPRolloutRequest
@@ -89,9 +90,14 @@ class RolloutGraph:
         requested = self._validate(request)
         rid = request.request_id
         cond = self.encoder.encode.remote([request.prompt])
+        negative = None
+        if request.sampling.guidance_scale != 1.0:
+            ids = request.prompt.negative_token_ids
+            bundle = (PromptBundle(token_ids=ids) if ids else self.adapter.null_prompt())
+            negative = self.encoder.encode.remote([bundle])
         try:
             stage: StageOutput = await self._await_small(
-                self.rollout_stage.rollout.remote(request, cond, requested))
+                self.rollout_stage.rollout.remote(request, cond, requested, negative))
         except _REPLICA_DIED as exc:
             raise ReplicaFailedError("the rollout replica died; retry the request",
                                      field="rollout", actual=type(exc).__name__,
@@ -129,8 +135,11 @@ class RolloutGraph:
     async def _score(self, request, requested, responses, decoded_outputs):
         if not self.scorers:
             return None
-        prompts = (request.prompt.text or "",) * request.sampling.samples_per_prompt
-        metadata = request.metadata.get("per_sample") or ({},) * len(prompts)
+        n = request.sampling.samples_per_prompt
+        prompts = (request.prompt.text or "",) * n
+        conditions = {role.value: item.data for role, item in
+                      normalize_media(request.media, request.task, request.request_id).items()}
+        metadata = tuple(dict(conditions, seed=seed) for seed in request.sampling.seeds)
         calls = {}
         for name, handle in self.scorers.items():
             spec = self.scorer_specs[name]

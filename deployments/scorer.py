@@ -1,0 +1,85 @@
+"""Scorer stage: one deployment per scorer family.
+
+Each call scores one request's samples as soon as its decoded media exists (so rewards overlap
+the rollout of other requests); concurrent calls are micro-batched with @serve.batch. The scorer
+fetches the decoded artifacts it reads from the object store itself; a latent, a video without fps
+or audio without a sample rate is refused with a typed error by the scorer's media checks.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping, Sequence
+
+import torch
+from ray import serve
+
+from contract import MediaArtifact, MissingArtifactError, ScorerOutput, StageOutput
+from deployments.config import ScorerSpec
+from deployments.metrics import StageMetrics
+from rewards.base import ScoreRequest
+from rewards.registry import build_scorer
+
+
+def _concat(requests: Sequence[ScoreRequest]) -> ScoreRequest:
+    names = requests[0].artifacts.keys()
+    artifacts = {}
+    for name in names:
+        first = requests[0].artifacts[name]
+        data = torch.cat([r.artifacts[name].data for r in requests])
+        artifacts[name] = MediaArtifact(first.spec, data, first.metadata)
+    return ScoreRequest(artifacts=artifacts,
+                        prompts=tuple(p for r in requests for p in r.prompts),
+                        metadata=tuple(m for r in requests for m in r.metadata))
+
+
+def _split(output: ScorerOutput, sizes: Sequence[int]) -> list[ScorerOutput]:
+    out, start = [], 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        out.append(ScorerOutput(output.scorer, {k: v[sl] for k, v in output.scores.items()},
+                                output.status[sl], output.reasons[sl]))
+        start += n
+    return out
+
+
+def _batch_key(request: ScoreRequest) -> tuple:
+    return tuple((n, tuple(a.data.shape[1:]), a.fps, a.sample_rate)
+                 for n, a in sorted(request.artifacts.items()))
+
+
+class ScorerServer:
+    def __init__(self, spec: ScorerSpec):
+        self.spec = spec
+        self.scorer = build_scorer(spec.kind, spec.options)
+        self.metrics = StageMetrics(f"scorer:{spec.name}")
+        self._score_batch.set_max_batch_size(spec.max_batch_size)
+        self._score_batch.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
+
+    async def score(self, *decoded: StageOutput, prompts: Sequence[str],
+                    metadata: Sequence[Mapping[str, Any]]) -> ScorerOutput:
+        handles = {n: h for out in decoded for n, h in out.artifacts.items()}
+        missing = [n for n in self.spec.inputs if n not in handles]
+        if missing:
+            raise MissingArtifactError(f"scorer {self.spec.name!r} did not receive its inputs",
+                                       field=f"{self.spec.name}.inputs", expected=missing,
+                                       actual=sorted(handles))
+        arts = await asyncio.gather(*(handles[n].ref for n in self.spec.inputs))
+        request = ScoreRequest(artifacts=dict(zip(self.spec.inputs, arts)),
+                               prompts=tuple(prompts), metadata=tuple(metadata))
+        return await self._score_batch(request)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _score_batch(self, requests: list[ScoreRequest]) -> list[ScorerOutput]:
+        """Micro-batch: requests with the same media shapes are scored in one call."""
+        results: list[ScorerOutput | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(_batch_key(r), []).append(i)
+        for idx in groups.values():
+            group = [requests[i] for i in idx]
+            rows = sum(len(r.prompts) for r in group)
+            with self.metrics.track(rows):
+                scored = await asyncio.to_thread(self.scorer.score, _concat(group))
+            for i, part in zip(idx, _split(scored, [len(r.prompts) for r in group])):
+                results[i] = part
+        return results
