@@ -1,0 +1,60 @@
+"""The trainer's side of the graph: one call from RolloutRequests to RolloutOutputs.
+
+    client = RolloutClient.connect(address="auto", app_name="omni")
+    outputs = client.rollout(requests)            # list[RolloutOutput], tensors fetched here
+
+The graph returns handles (object refs); this client fetches the tensors straight from the object
+store, so they never pass through the ingress.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import ray
+from ray import serve
+
+from contract import GraphResult, RolloutOutput, RolloutRequest
+
+
+def materialize(result: GraphResult) -> RolloutOutput:
+    """Fetch a GraphResult's artifacts and trajectory from the object store."""
+    names = list(result.artifacts)
+    refs = [result.artifacts[n].ref for n in names]
+    if result.trajectory is not None:
+        refs.append(result.trajectory)
+    values = ray.get(refs)
+    trajectory = values.pop() if result.trajectory is not None else None
+    return RolloutOutput(request_id=result.request_id, artifacts=dict(zip(names, values)),
+                         trajectory=trajectory, policy_version=result.policy_version,
+                         seeds=result.seeds, stop_reason=result.stop_reason,
+                         rewards=result.rewards, metrics=dict(result.metrics))
+
+
+class RolloutClient:
+    def __init__(self, ingress_handle, rollout_handle=None):
+        self.ingress = ingress_handle
+        self.rollout_stage = rollout_handle
+
+    @classmethod
+    def connect(cls, app_name: str = "omni", address: str | None = "auto") -> "RolloutClient":
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        handle = serve.get_app_handle(app_name)
+        rollout = serve.get_deployment_handle("DiTRollout", app_name=app_name)
+        return cls(handle, rollout)
+
+    def submit(self, requests: Sequence[RolloutRequest]):
+        """Start a rollout; returns a DeploymentResponse (call `.result()` or `collect`)."""
+        return self.ingress.rollout.remote(list(requests))
+
+    @staticmethod
+    def collect(response) -> list[RolloutOutput]:
+        return [materialize(r) for r in response.result()]
+
+    def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        return self.collect(self.submit(requests))
+
+    async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        results = await self.submit(requests)
+        return await asyncio.to_thread(lambda: [materialize(r) for r in results])
