@@ -1,0 +1,1 @@
+"""Reproducible one-off jobs (pretraining the embedded models). Run with `python -m scripts.<name>`."""
