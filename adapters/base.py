@@ -103,6 +103,10 @@ class DiffusionAdapter(ABC):
     def tokenize(self, texts: Sequence[str]) -> list[PromptBundle]:
         """Token ids for each text with the encoder's own tokenizer (the only tokenization)."""
 
+    def null_prompt(self) -> PromptBundle:
+        """The unconditional prompt of classifier-free guidance: the encoder's empty prompt."""
+        return self.tokenize([""])[0]
+
     @abstractmethod
     def encode(self, text_encoder: nn.Module, prompts: Sequence[PromptBundle]) -> TextCondition:
         """Run the text encoder on the ids exactly as given."""

@@ -1,0 +1,97 @@
+"""Per-request state of the embedded engine and the pure scheduling step (vLLM v1 style).
+
+The engine loop is schedule -> execute -> update. `schedule` is a pure function of the running
+set: it picks the request that has waited longest since its last step and packs every compatible
+request behind it (same BatchKey) up to `max_rows`. Rows of one forward may sit at different
+steps of different schedules; sigma is per row.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from adapters.base import TextCondition
+from contract import MediaRole, SamplerKind
+from diffusion.windows import uses_sde
+from rollout.engine_api import EngineRequest
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Rows may share one forward only when all of these agree."""
+
+    state_shape: tuple[int, ...]          # per-row sampler state S
+    guided: bool                          # CFG on (rows doubled with the unconditional branch)
+    policy_version: str                   # LoRA version applied to the forward
+    cond_shape: tuple[int, ...]           # (L, D) of the text condition
+    pooled_shape: tuple[int, ...] | None  # (P,) or None
+    media_roles: tuple[str, ...]          # condition latents the forward takes
+
+
+@dataclass
+class RequestState:
+    """Everything the loop holds for one request (rows = its samples_per_prompt)."""
+
+    request: EngineRequest
+    future: concurrent.futures.Future
+    key: BatchKey
+    sigmas: torch.Tensor                  # (N+1,) fp32 schedule
+    model_times: torch.Tensor             # (N,) fp32 time actually fed to the model per step
+    x: torch.Tensor                       # (B, *S) fp32 current sampler state
+    cond: TextCondition                   # (B, L, D) repeated per row
+    negative: TextCondition | None        # (B, L, D) or None
+    cond_latents: dict[MediaRole, torch.Tensor]
+    enqueued_at: float
+    order: int                            # admission order (FIFO tie-break)
+    step: int = 0
+    last_tick: int = -1                   # loop tick of its last step (fairness)
+    started_at: float | None = None
+    cancelled: bool = False
+    traj_latents: list[torch.Tensor] = field(default_factory=list)   # each (B, *S) fp32
+    log_probs: list[torch.Tensor] = field(default_factory=list)      # each (B,) fp32
+    batch_rows: list[int] = field(default_factory=list)              # rows per forward it joined
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request.request_id
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.sigmas.shape[0]) - 1
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.request.request.sampling.window
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    def step_kind(self) -> SamplerKind:
+        """The sampler for the current step: the request's kind inside the window, ODE outside."""
+        sampling = self.request.request.sampling
+        return sampling.sampler if uses_sde(self.step, self.window) else SamplerKind.ODE
+
+
+def schedule(running: list[RequestState], max_rows: int) -> list[RequestState]:
+    """Pick the next forward's requests: the longest-waiting one, then compatible ones in order.
+
+    Pure: reads `last_tick`, `order`, `key`, `rows` only. Every request in `running` fits alone
+    (the engine refuses requests with more rows than max_rows at submission).
+    """
+    if not running:
+        return []
+    queue = sorted(running, key=lambda s: (s.last_tick, s.order))
+    head = queue[0]
+    batch, rows = [head], head.rows
+    for state in queue[1:]:
+        if state.key == head.key and rows + state.rows <= max_rows:
+            batch.append(state)
+            rows += state.rows
+    return batch
