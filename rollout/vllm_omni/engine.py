@@ -64,6 +64,7 @@ class VllmOmniEngine:
             output_type="latent", max_num_seqs=max_num_seqs,
             enable_sleep_mode=enable_sleep_mode, dtype=dtype, **engine_kwargs)
         root = Path(lora_root) if lora_root else Path(tempfile.mkdtemp(prefix="omni-lora-"))
+        root.mkdir(parents=True, exist_ok=True)
         return cls(omni, api, adapter, modules, root)
 
     # ---- generation --------------------------------------------------------------------
@@ -172,4 +173,6 @@ class VllmOmniEngine:
         for task in list(self._inflight.values()):
             task.cancel()
         self._omni.shutdown()
-        shutil.rmtree(self._lora_root, ignore_errors=True)
+        for lora in self._loras.values():      # only the directories this engine wrote
+            shutil.rmtree(lora.lora_path, ignore_errors=True)
+        self._loras.clear()
