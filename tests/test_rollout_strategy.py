@@ -1,0 +1,132 @@
+"""Strategy selection, DiffusionStrategy validation/lowering/output, and the AR path generating."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from adapters.tiny_t2i import TinyT2IAdapter
+from contract import (InvalidRequestError, LimitExceededError, MediaInput, MediaRole, Modality,
+                      PolicyVersionError, PromptBundle, RolloutRequest, SamplingSpec, StopReason,
+                      Task, UndeclaredArtifactError)
+from rollout.ar import ARStrategy
+from rollout.config import ARModelConfig, RolloutConfig, StrategyKind
+from rollout.strategy import STRATEGY_BUILDERS, DiffusionStrategy, build_strategy
+
+torch.set_num_threads(1)
+
+
+def test_every_strategy_kind_has_exactly_one_builder():
+    assert set(STRATEGY_BUILDERS) == set(StrategyKind)
+    with pytest.raises(ValueError):
+        RolloutConfig(strategy="diffusion", unknown_field=1)
+
+
+@pytest.fixture(scope="module")
+def diffusion(tmp_path_factory):
+    adapter = TinyT2IAdapter()
+    weights = tmp_path_factory.mktemp("tiny_t2i")
+    adapter.save(adapter.build(seed=0), weights)
+    strategy = build_strategy(RolloutConfig(strategy=StrategyKind.DIFFUSION,
+                                            weights_path=str(weights)))
+    yield strategy
+    asyncio.run(strategy.engine.shutdown())
+
+
+def _request(strategy, **kw) -> RolloutRequest:
+    prompt = strategy.adapter.tokenize(["a green triangle"])[0]
+    sampling = kw.pop("sampling", SamplingSpec(num_steps=4, seeds=(1, 2)))
+    return RolloutRequest(prompt=prompt, sampling=sampling, task=kw.pop("task", Task.T2I), **kw)
+
+
+def test_diffusion_strategy_returns_latents_and_decode_plan(diffusion):
+    assert isinstance(diffusion, DiffusionStrategy)
+    out = asyncio.run(diffusion.generate(_request(diffusion, requested_artifacts=("image",))))
+    # only latents come back; the decoded name is recorded with its source for the decoder stage
+    assert set(out.artifacts) == {"image_latent"}
+    assert out.metadata["decode"] == {"image": "image_latent"}
+    assert out.artifacts["image_latent"].data.shape == (2, 4, 8, 8)
+    assert out.trajectory.log_probs.shape == (2, 3)
+    assert out.policy_version == "base" and out.seeds == (1, 2)
+
+
+def test_diffusion_strategy_cfg_uses_null_prompt(diffusion):
+    sampling = SamplingSpec(num_steps=3, seeds=(4,), guidance_scale=3.0)
+    out = asyncio.run(diffusion.generate(_request(diffusion, sampling=sampling)))
+    assert out.trajectory.guidance_scale == 3.0
+    assert set(out.metadata["requested_artifacts"]) == {"image_latent", "image"}
+
+
+@pytest.mark.parametrize("kw, error, field", [
+    (dict(requested_artifacts=("audio",)), UndeclaredArtifactError, "requested_artifacts"),
+    (dict(task=Task.T2VA), InvalidRequestError, "task"),
+    (dict(media=(MediaInput(Modality.IMAGE, MediaRole.REFERENCE,
+                            torch.zeros(3, 32, 32, dtype=torch.uint8)),)),
+     InvalidRequestError, "media"),
+    (dict(sampling=SamplingSpec(num_steps=4, seeds=(1,), height=64, width=64)),
+     InvalidRequestError, "sampling.height"),
+    (dict(sampling=SamplingSpec(num_steps=400, seeds=(1,))), LimitExceededError,
+     "sampling.num_steps"),
+    (dict(policy_version="v7"), PolicyVersionError, "policy_version"),
+])
+def test_diffusion_strategy_rejects_bad_requests(diffusion, kw, error, field):
+    with pytest.raises(error) as err:
+        asyncio.run(diffusion.generate(_request(diffusion, **kw)))
+    assert err.value.field == field
+
+
+@pytest.fixture(scope="module")
+def ar():
+    strategy = build_strategy(RolloutConfig(strategy=StrategyKind.AR,
+                                            ar=ARModelConfig(max_new_tokens=12)))
+    assert isinstance(strategy, ARStrategy)
+    return strategy
+
+
+def test_ar_generates_tokens_with_exact_logprobs(ar):
+    ids = tuple(ar.tokenizer("a red square")["input_ids"])
+    request = RolloutRequest(prompt=PromptBundle(token_ids=ids),
+                             sampling=SamplingSpec(seeds=(1, 2, 1)), task=Task.TEXT)
+    outs = asyncio.run(ar.generate(request))
+    assert [o.stop_reason for o in outs] == [StopReason.LENGTH] * 3
+    assert all(len(o.token_ids) == len(o.logprobs) == 12 for o in outs)
+    assert outs[0].token_ids == outs[2].token_ids          # same seed -> same tokens
+    assert outs[0].token_ids != outs[1].token_ids
+    # the stored log-probs are the model's: recompute with one full forward (no cache)
+    full = torch.tensor([ids + outs[1].token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(ar.model(input_ids=full).logits[0].float(), dim=-1)
+    pos = torch.arange(len(ids) - 1, full.shape[1] - 1)
+    recomputed = logp[pos, full[0, len(ids):]]
+    assert torch.allclose(recomputed, torch.tensor(outs[1].logprobs), atol=1e-4)
+
+
+def test_ar_stops_at_eos(ar):
+    ids = tuple(ar.tokenizer("stop")["input_ids"])
+    model = ar.model
+    saved = model.lm_head.weight.detach().clone()
+    try:       # make the end token overwhelmingly likely: the model must stop with EOS
+        with torch.no_grad():
+            model.lm_head.weight[ar.eos_token_id] *= 0
+            model.lm_head.weight[ar.eos_token_id] += 1e3 * torch.sign(
+                model.model.norm(model.model.embed_tokens(torch.tensor(ids))).mean(0))
+        request = RolloutRequest(prompt=PromptBundle(token_ids=ids),
+                                 sampling=SamplingSpec(seeds=(3,)), task=Task.TEXT)
+        out = asyncio.run(ar.generate(request))[0]
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
+    assert out.stop_reason == StopReason.EOS and out.token_ids[-1] == ar.eos_token_id
+
+
+def test_ar_rejects_wrong_task_and_bad_ids(ar):
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(ar.generate(RolloutRequest(prompt=PromptBundle(token_ids=(101,)),
+                                               sampling=SamplingSpec(seeds=(1,)), task=Task.T2I)))
+    assert err.value.field == "task"
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(ar.generate(RolloutRequest(prompt=PromptBundle(token_ids=(10**7,)),
+                                               sampling=SamplingSpec(seeds=(1,)),
+                                               task=Task.TEXT)))
+    assert err.value.field == "prompt.token_ids"
