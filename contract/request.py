@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from contract.enums import MediaRole, Modality, SamplerKind, Task
 from contract.errors import (ConflictingInputError, DuplicateInputError, InvalidRequestError,
@@ -38,14 +38,23 @@ class PromptBundle(FrozenModel):
                                                 description="Forwarded to the model processor.")
     text: str | None = Field(None, description="The prompt text, for scorers and logging only.")
 
-    @model_validator(mode="after")
-    def _check(self) -> "PromptBundle":
-        if len(self.token_ids) == 0:
+    # field validators (not a model validator) so a ValidationError's `loc` names the field
+    @field_validator("token_ids")
+    @classmethod
+    def _check_token_ids(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if len(value) == 0:
             raise ValueError("token_ids must not be empty")
-        if self.attention_mask is not None and len(self.attention_mask) != len(self.token_ids):
-            raise ValueError(f"attention_mask has {len(self.attention_mask)} entries, "
-                             f"token_ids has {len(self.token_ids)}")
-        return self
+        return value
+
+    @field_validator("attention_mask")
+    @classmethod
+    def _check_mask(cls, value: tuple[int, ...] | None,
+                    info: ValidationInfo) -> tuple[int, ...] | None:
+        token_ids = info.data.get("token_ids")
+        if value is not None and token_ids is not None and len(value) != len(token_ids):
+            raise ValueError(f"attention_mask has {len(value)} entries, "
+                             f"token_ids has {len(token_ids)}")
+        return value
 
 
 class SamplingSpec(FrozenModel):
@@ -76,16 +85,24 @@ class SamplingSpec(FrozenModel):
             return (0, max(self.num_steps - 1, 1))
         return self.sde_window
 
-    @model_validator(mode="after")
-    def _check(self) -> "SamplingSpec":
-        if len(self.seeds) == 0:
+    @field_validator("seeds")
+    @classmethod
+    def _check_seeds(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if len(value) == 0:
             raise ValueError("seeds must hold one seed per row (got none)")
-        if self.sde_window is not None:
-            start, end = self.sde_window
-            if not 0 <= start < end <= self.num_steps:
-                raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= start < end <= "
-                                 f"num_steps={self.num_steps}")
-        return self
+        return value
+
+    @field_validator("sde_window")
+    @classmethod
+    def _check_window(cls, value: tuple[int, int] | None,
+                      info: ValidationInfo) -> tuple[int, int] | None:
+        num_steps = info.data.get("num_steps")
+        if value is not None and num_steps is not None:
+            start, end = value
+            if not 0 <= start < end <= num_steps:
+                raise ValueError(f"sde_window {value} must satisfy 0 <= start < end <= "
+                                 f"num_steps={num_steps}")
+        return value
 
 
 class RequestLimits(FrozenModel):
