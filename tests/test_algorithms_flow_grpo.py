@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from contract import ConfigError, InvalidRequestError, SamplerKind, Trajectory
-from trainer.algorithms import (flow_grpo_loss, sde_mean_kl, trainable_step_indices,
-                                velocity_kl, window_step)
+from diffusion.samplers import sampler_step
+from diffusion.schedule import flow_match_sigmas
+from trainer.algorithms import (flow_grpo_loss, recompute_step, sde_mean_kl,
+                                trainable_step_indices, velocity_kl, window_step)
 
 
 def _numpy_ppo(log_prob, old, adv, clip, adv_max):
@@ -130,3 +132,41 @@ def test_window_step_reads_the_stored_transition():
     assert s.old_log_prob.tolist() == pytest.approx([0.2, 0.4])
     with pytest.raises(InvalidRequestError, match="window"):
         window_step(traj, 0)
+
+
+def test_recomputed_log_probs_on_a_sampled_trajectory_give_ratio_one():
+    """Sample an SDE trajectory with a real conv velocity model, then recompute: rho == 1."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(2, 2, 3, padding=1)
+    sigmas = flow_match_sigmas(6, shift=3.0)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2, 5, 5, generator=gen)
+    latents, log_probs = [x], []
+    with torch.no_grad():
+        for j in range(6):
+            sig, nxt = sigmas[j].expand(4), sigmas[j + 1].expand(4)
+            out = sampler_step(SamplerKind.SDE, x, model(x), sig, nxt, 0.7,
+                               torch.randn(x.shape, generator=gen))
+            x = out.prev_sample
+            latents.append(x)
+            log_probs.append(out.log_prob)
+    traj = Trajectory(latents=torch.stack(latents, 1), sigmas=sigmas,
+                      model_timesteps=sigmas[:-1] * 1000, log_probs=torch.stack(log_probs, 1),
+                      window=(0, 6), sampler=SamplerKind.SDE, noise_level=0.7,
+                      guidance_scale=1.0, seeds=(0, 1, 2, 3), policy_version="v0")
+    steps = trainable_step_indices(traj.sigmas, traj.window)
+    assert steps == [0, 1, 2, 3, 4]
+    recomputed = [recompute_step(traj, j, model(window_step(traj, j).x)) for j in steps]
+    lp = torch.stack([r.log_prob for r in recomputed], 1)                       # (B, K)
+    old = torch.stack([window_step(traj, j).old_log_prob for j in steps], 1)
+    with torch.no_grad():
+        ref_means = [recompute_step(traj, j, model(window_step(traj, j).x)).mean for j in steps]
+    kl = torch.stack([sde_mean_kl(r.mean, m, r.std / r.sqrt_dt)
+                      for r, m in zip(recomputed, ref_means)], 1)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    out = flow_grpo_loss(lp, old, adv, clip_range=1e-4, adv_clip_max=5.0, kl=kl, kl_beta=0.04)
+    assert float(out.clipfrac) == 0.0 and float(out.kl) == 0.0
+    assert abs(float(out.ratio_mean) - 1.0) < 1e-6
+    assert math.isclose(float(out.loss.detach()), -float(adv.mean()), abs_tol=1e-6)
+    out.loss.backward()
+    assert float(model.weight.grad.abs().sum()) > 0             # the gradient reaches the model

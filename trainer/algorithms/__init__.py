@@ -4,14 +4,14 @@ from trainer.algorithms.advantages import (AdvantageMode, PreferencePairs, best_
                                            group_advantages, group_index, optimality_probability)
 from trainer.algorithms.dpo import DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_inputs
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
-                                          sde_mean_kl, trainable_step_indices, velocity_kl,
-                                          window_step)
+                                          recompute_step, sde_mean_kl, trainable_step_indices,
+                                          velocity_kl, window_step)
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, ema_update, nft_loss, old_decay)
 
 __all__ = [
     "Algorithm", "AdvantageMode", "PreferencePairs", "best_worst_pairs", "group_advantages",
     "group_index", "optimality_probability", "DPOLoss", "DPOPairInputs", "dpo_loss",
-    "dpo_pair_inputs", "FlowGRPOLoss", "KLTarget", "WindowStep", "flow_grpo_loss", "sde_mean_kl",
-    "trainable_step_indices", "velocity_kl", "window_step", "NFTLoss", "OldPolicySchedule",
-    "ema_update", "nft_loss", "old_decay",
+    "dpo_pair_inputs", "FlowGRPOLoss", "KLTarget", "WindowStep", "flow_grpo_loss",
+    "recompute_step", "sde_mean_kl", "trainable_step_indices", "velocity_kl", "window_step",
+    "NFTLoss", "OldPolicySchedule", "ema_update", "nft_loss", "old_decay",
 ]

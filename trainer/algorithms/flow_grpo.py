@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 
 from contract import ConfigError, InvalidRequestError, NonFiniteError, Trajectory
+from diffusion.samplers import StepOutput, sampler_step
 
 
 class KLTarget(str, Enum):
@@ -74,6 +75,20 @@ def window_step(trajectory: Trajectory, step: int) -> WindowStep:
     return WindowStep(step, trajectory.latents[:, k], trajectory.latents[:, k + 1],
                       float(trajectory.sigmas[step]), float(trajectory.sigmas[step + 1]),
                       trajectory.log_probs[:, k])
+
+
+def recompute_step(trajectory: Trajectory, step: int, velocity: torch.Tensor) -> StepOutput:
+    """Score the stored x_{j+1} under `velocity` at x_j: log p_theta(x_{j+1} | x_j) of Eq. 8.
+
+    Same sampler kind and noise level as the rollout; velocity: (B, *S) in the project convention
+    (v = eps - x0), with graph. For the SDE-mean KL, std_dev_t = out.std / out.sqrt_dt.
+    """
+    s = window_step(trajectory, step)
+    rows = s.x.shape[0]
+    sigma = torch.full((rows,), s.sigma, dtype=torch.float32, device=s.x.device)
+    sigma_next = torch.full((rows,), s.sigma_next, dtype=torch.float32, device=s.x.device)
+    return sampler_step(trajectory.sampler, s.x, velocity, sigma, sigma_next,
+                        trajectory.noise_level, None, prev_sample=s.x_next)
 
 
 def _elem_mean(x: torch.Tensor) -> torch.Tensor:  # (B, *S) -> (B,)
