@@ -144,8 +144,14 @@ class RolloutRequest:
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
 
 
-def _as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(data)) if isinstance(data, np.ndarray) else data
+def _as_tensor(data: torch.Tensor | np.ndarray, field_name: str, request_id: str) -> torch.Tensor:
+    if not isinstance(data, np.ndarray):
+        return data
+    try:  # a copy only where needed (e.g. a flipped view with negative strides)
+        return torch.from_numpy(np.ascontiguousarray(data))
+    except TypeError:
+        raise MediaFormatError("media array has a dtype torch cannot hold", field=field_name,
+                               actual=str(data.dtype), request_id=request_id) from None
 
 
 def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
@@ -167,7 +173,7 @@ def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
                 f"{item.role.value} also at media[{by_key[key]}]", request_id=request_id)
         by_key[key] = i
         role = _VIDEO_FRAME_ROLES.get(item.role, item.role) if task == Task.FL2VA else item.role
-        tensor = _as_tensor(item.data)
+        tensor = _as_tensor(item.data, f"media[{i}].data", request_id)
         _check_media_tensor(tensor, item.modality, f"media[{i}].data", request_id)
         normalized = MediaInput(item.modality, role, tensor)
         if role in canonical:
@@ -220,6 +226,8 @@ def check_limits(request: RolloutRequest, limits: RequestLimits) -> None:
     if request.prompt.negative_token_ids is not None:
         checks.append(("prompt.negative_token_ids", len(request.prompt.negative_token_ids),
                        limits.max_tokens))
+    for name, ids in request.prompt.encoder_token_ids.items():
+        checks.append((f"prompt.encoder_token_ids.{name}", len(ids), limits.max_tokens))
     for name, value, bound in checks:
         if value > bound:
             raise LimitExceededError(f"{name} is beyond the configured limit", field=name,
