@@ -2,7 +2,8 @@
 
 Per image (uint8 (3, H, W)) and its caption:
   background  border-ring median colour -> soft nearest background palette colour;
-  foreground  pixels whose L2 distance from that median is > FOREGROUND_DISTANCE;
+  foreground  pixels whose L2 distance from that median is > FOREGROUND_DISTANCE, minus
+              speckle (fewer than 3 foreground pixels in the 3x3 neighbourhood);
   color       mean foreground colour -> soft nearest shape palette colour;
   position    foreground centroid -> soft nearest position anchor;
   shape       (bbox fill ratio, fraction of mass in the lower half of the bbox) -> soft nearest
@@ -65,7 +66,12 @@ def analyze(image: torch.Tensor) -> ImageAnalysis:
     border = torch.cat([img[:, 0, :], img[:, -1, :], img[:, :, 0], img[:, :, -1]], dim=1)
     bg = border.median(dim=1).values                             # (3,)
     dist = (img - bg[:, None, None]).norm(dim=0)                 # (H, W)
-    mask = dist > FOREGROUND_DISTANCE
+    raw = dist > FOREGROUND_DISTANCE
+    # Drop speckle: keep a pixel only if >= 3 pixels of its 3x3 neighbourhood are foreground
+    # (shape corners and a triangle's apex have >= 3, isolated noise pixels do not).
+    support = torch.nn.functional.avg_pool2d(raw[None, None].float(), 3, stride=1, padding=1,
+                                             count_include_pad=True)[0, 0] * 9
+    mask = raw & (support >= 2.5)
     fraction = float(mask.float().mean())
     bg_rgb = tuple(float(v) for v in bg)
     if fraction < MIN_FOREGROUND_FRACTION:
