@@ -197,7 +197,7 @@ def test_importing_the_project_does_not_import_vllm():
             "mods = ['rollout', 'rollout.engine_api', 'rollout.vllm_omni', 'rollout.vllm_omni.api',"
             " 'rollout.vllm_omni.engine', 'rollout.vllm_omni.lowering', 'rollout.vllm_omni.lora',"
             " 'rollout.vllm_omni.pipeline', 'rollout.vllm_omni.fake']\n"
-            "for m in ['rollout.strategy', 'rollout.engine', 'deployments', 'graph']:\n"
+            "for m in ['rollout.strategy', 'rollout.engine', 'rollout.config']:\n"
             "    try: importlib.import_module(m)\n"
             "    except ImportError: pass\n"
             "for m in mods: importlib.import_module(m)\n"
