@@ -1,0 +1,196 @@
+"""Rollout throughput: step-wise batching engine vs one-at-a-time vs a plain per-request loop.
+
+`python -m bench.rollout_bench` measures, side by side in one run on tiny_t2i (shipped weights if
+present, else the same architecture with seeded random weights; recorded as "weights"):
+
+  engine_concurrent  the embedded engine with N requests in flight (packed per step)
+  engine_sequential  the same engine, one request at a time (same steps, same sampler)
+  diffusers_loop     per request: the diffusers training-form transformer + our SDE step with
+                     log-prob, no batching across requests
+
+and writes bench/results/rollout.json and bench/results/rollout.png.
+batching_speedup = concurrent / sequential samples/s; vs_diffusers_loop = concurrent / loop.
+Peak memory per mode: peak process RSS above the mode's starting RSS (sampled every 2 ms).
+Each mode is run `repeats` times after a warm-up; the median time is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from adapters.registry import get_adapter
+from contract import ConfigError, RolloutRequest, SamplerKind, SamplingSpec, Task
+from diffusion.conventions import model_time, to_sigma_velocity
+from diffusion.noise import initial_noise, row_noise
+from diffusion.samplers import sampler_step
+from diffusion.schedule import flow_match_sigmas
+from diffusion.windows import uses_sde
+from rollout.config import EngineLimits
+from rollout.engine import EmbeddedEngine
+from rollout.engine_api import EngineRequest
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPTS = ["a red circle", "a blue square at the top", "a green triangle", "a yellow star",
+           "a small red square", "a big blue circle", "a green circle on the left",
+           "a yellow triangle at the bottom"]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak RSS above the starting RSS while the block runs (sampled in a thread)."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+        self.mib = (self.peak - self.start) / 2**20
+
+
+def _requests(adapter, components, n: int, steps: int) -> list[EngineRequest]:
+    prompts = adapter.tokenize([PROMPTS[i % len(PROMPTS)] for i in range(n)])
+    out = []
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingSpec(sampler=SamplerKind.SDE, num_steps=steps, seeds=(1000 + i,))
+        rr = RolloutRequest(prompt=prompt, sampling=sampling, task=Task.T2I)
+        cond = adapter.encode(components.text_encoder, [prompt])
+        out.append(EngineRequest(rr, cond, None, ("image_latent",), {}, "base"))
+    return out
+
+
+def run_concurrent(engine: EmbeddedEngine, requests: list[EngineRequest]) -> None:
+    futures = [engine.submit(r) for r in requests]
+    for f in futures:
+        f.result()
+
+
+def run_sequential(engine: EmbeddedEngine, requests: list[EngineRequest]) -> None:
+    for r in requests:
+        engine.submit(r).result()
+
+
+@torch.no_grad()
+def run_diffusers_loop(adapter, transformer, requests: list[EngineRequest]) -> None:
+    """The baseline: one request after another through the training-form diffusers model."""
+    for r in requests:
+        sampling = r.request.sampling
+        shape = adapter.state_shape(sampling)
+        sigmas = flow_match_sigmas(sampling.num_steps, adapter.schedule_shift)
+        x = initial_noise(sampling.seeds, shape)
+        cond = r.cond
+        for j in range(sampling.num_steps):
+            sigma = sigmas[j].expand(x.shape[0])
+            t = model_time(sigma, adapter.time_convention, adapter.model_time_scale)
+            v = to_sigma_velocity(adapter.model_forward(transformer, x, t, cond),
+                                  adapter.time_convention)
+            kind = sampling.sampler if uses_sde(j, sampling.window) else SamplerKind.ODE
+            noise = row_noise(sampling.seeds, j, shape) if kind != SamplerKind.ODE else None
+            x = sampler_step(kind, x, v, sigma, sigmas[j + 1].expand(x.shape[0]),
+                             sampling.noise_level, noise).prev_sample
+
+
+def measure(fn, repeats: int) -> tuple[float, float]:
+    """(median seconds, peak RSS MiB above start) over `repeats` runs after one warm-up."""
+    fn()
+    times, peaks = [], []
+    for _ in range(repeats):
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        peaks.append(mem.mib)
+    return statistics.median(times), max(peaks)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = list(result["samples_per_s"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(modes, [result["samples_per_s"][m] for m in modes], color=["C0", "C1", "C2"])
+    ax1.set_ylabel("samples / s")
+    ax1.set_title(f"{result['requests']} requests x {result['steps']} steps "
+                  f"({result['weights']} weights)")
+    ax1.tick_params(axis="x", labelrotation=15)
+    ax2.bar(modes, [result["peak_rss_mib"][m] for m in modes], color=["C0", "C1", "C2"])
+    ax2.set_ylabel("peak RSS above start (MiB)")
+    ax2.set_title(f"batching x{result['batching_speedup']:.2f}, "
+                  f"vs loop x{result['vs_diffusers_loop']:.2f}")
+    ax2.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    adapter = get_adapter("tiny_t2i")
+    try:
+        components, weights = adapter.load(), "shipped"
+    except ConfigError:
+        components, weights = adapter.build(seed=0), "random"
+    requests = _requests(adapter, components, args.requests, args.steps)
+    engine = EmbeddedEngine(adapter, components, EngineLimits(max_batch_rows=args.requests))
+    try:
+        timings = {
+            "engine_concurrent": measure(lambda: run_concurrent(engine, requests), args.repeats),
+            "engine_sequential": measure(lambda: run_sequential(engine, requests), args.repeats),
+            "diffusers_loop": measure(lambda: run_diffusers_loop(
+                adapter, components.transformer, requests), args.repeats),
+        }
+    finally:
+        import asyncio
+        asyncio.run(engine.shutdown())
+    sps = {mode: args.requests / seconds for mode, (seconds, _) in timings.items()}
+    result = {
+        "bench": "rollout", "adapter": adapter.name, "weights": weights,
+        "requests": args.requests, "rows_per_request": 1, "steps": args.steps,
+        "sampler": SamplerKind.SDE.value, "torch_threads": args.threads,
+        "repeats": args.repeats, "device": "cpu",
+        "seconds": {mode: s for mode, (s, _) in timings.items()},
+        "samples_per_s": sps,
+        "peak_rss_mib": {mode: m for mode, (_, m) in timings.items()},
+        "batching_speedup": sps["engine_concurrent"] / sps["engine_sequential"],
+        "vs_diffusers_loop": sps["engine_concurrent"] / sps["diffusers_loop"],
+        "goals": {"batching_speedup": 3.0, "vs_diffusers_loop": 1.5},
+    }
+    result["goals_met"] = {k: result[k] >= v for k, v in result["goals"].items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rollout.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "rollout.png")
+    print(json.dumps({k: result[k] for k in ("weights", "samples_per_s", "batching_speedup",
+                                             "vs_diffusers_loop", "peak_rss_mib")}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
