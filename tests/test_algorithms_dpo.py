@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from contract import ConfigError, InvalidRequestError
-from trainer.algorithms import dpo_loss, dpo_pair_inputs
+from trainer.algorithms import dpo_loss, dpo_pair_inputs, sample_pair_sigmas
 
 P, S = 4, (2, 3, 3)
 
@@ -84,3 +84,16 @@ def test_input_errors():
         dpo_loss(v, v, v, v, inputs.target_winner, inputs.target_loser, beta=0.0)
     with pytest.raises(InvalidRequestError, match="ref_v_loser"):
         dpo_loss(v, v, v, v[:2], inputs.target_winner, inputs.target_loser, beta=1.0)
+
+
+def test_pair_sigmas_come_from_the_shifted_training_table():
+    sigmas = sample_pair_sigmas(4000, shift=3.0, generator=torch.Generator().manual_seed(0))
+    k = np.arange(1, 1001) / 1000.0
+    table = 3.0 * k / (1 + 2.0 * k)                      # shifted training sigmas
+    nearest = np.abs(sigmas.numpy()[:, None] - table[None, :]).min(1)
+    assert nearest.max() < 1e-6                           # every draw is a table entry
+    assert 0 < float(sigmas.min()) and float(sigmas.max()) <= 1.0
+    # logit-normal(0, 1): median u = 1/2 -> median sigma = shift(1/2) = 0.75
+    assert abs(float(sigmas.median()) - 0.75) < 0.02
+    again = sample_pair_sigmas(4000, shift=3.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sigmas, again)

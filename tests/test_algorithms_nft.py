@@ -30,14 +30,12 @@ def _numpy_nft(v_theta, v_old, x_sigma, x0, sigma, r, beta, c):
     s = sigma.reshape(-1, 1, 1, 1)
     vp = beta * v_theta + (1 - beta) * v_old
     vm = (1 + beta) * v_old - beta * v_theta
-    out = 0.0
     per = []
     for v_hat, weight in ((vp, r), (vm, 1 - r)):
         err = (x_sigma - s * v_hat) - x0
         w = np.maximum(np.abs(err).reshape(len(r), -1).mean(1), 1e-5)
         per.append(weight * (err ** 2).reshape(len(r), -1).mean(1) / w / beta)
-    out = c * np.mean(per[0] + per[1])
-    return out
+    return c * np.mean(per[0] + per[1])
 
 
 @pytest.mark.parametrize("beta", [1.0, 0.1])
@@ -62,6 +60,7 @@ def test_gradient_at_old_policy_is_beta_free_and_points_by_r(beta):
     s = sigma.view(B, 1, 1, 1)
     w = (s * (v_old - v_target)).abs().flatten(1).mean(1).view(B, 1, 1, 1)  # mean|x0_hat - x0|
     expected = 2 * (2 * r.view(B, 1, 1, 1) - 1) * s ** 2 / w * (v_old - v_target) * c / D / B
+    # (matching this also proves the weights are stop-grad: d w / d v_theta would add a term)
     torch.testing.assert_close(v_theta.grad, expected, rtol=1e-9, atol=1e-12)
     g = v_theta.grad
     direction = (v_target - v_old).flatten(1)
@@ -71,7 +70,7 @@ def test_gradient_at_old_policy_is_beta_free_and_points_by_r(beta):
     assert float(g[2].abs().max()) < 1e-12 * float(g[0].abs().max())   # zero up to rounding
 
 
-def test_weights_are_stop_gradient_and_clipped():
+def test_exact_prediction_weight_is_clipped_not_a_division_by_zero():
     x0, _, sigma, x_sigma, _ = _batch(2)
     s = sigma.view(B, 1, 1, 1)
     v_exact = (x_sigma - x0) / s           # x0_hat == x0 exactly -> weight clipped to 1e-5

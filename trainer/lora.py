@@ -3,7 +3,7 @@ reference (adapters disabled), all on one training-form diffusers transformer.
 
 LoRA (Hu et al. 2021, arXiv 2106.09685, Eq. 3): h = W0 x + (alpha / r) B A x, injected with peft on
 the adapter's EXPLICIT targets (`LoRATargetMap.train_target_modules`, never "all-linear").
-DiffusionNFT (arXiv 2509.16117, Sec. 3.3) samples with the old adapter and refreshes it from the
+DiffusionNFT (arXiv 2509.16117) samples with the old adapter and refreshes it from the
 trained one by `refresh_old(model, decay)`; FlowGRPO / DPO use "default" and the reference.
 `export_lora` produces what the rollout's LoRA slots load: peft-named tensors with training-form
 module names (`transformer_blocks.0.attn.to_q.lora_A.weight`) plus one scale = alpha / r.
@@ -30,6 +30,13 @@ TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
 
 
+class LoRAInit(str, Enum):
+    """peft init of lora_A (lora_B is zero in both, so a new adapter equals the base model)."""
+
+    GAUSSIAN = "gaussian"    # A ~ N(0, 1/r)
+    KAIMING = "kaiming"      # A ~ kaiming-uniform (peft's default, init_lora_weights=True)
+
+
 class LoRATrainConfig(BaseModel):
     """Shape and init of the trained adapter (the old adapter is its copy)."""
 
@@ -38,7 +45,7 @@ class LoRATrainConfig(BaseModel):
     rank: int = Field(32, ge=1, description="LoRA rank r")
     alpha: float = Field(64.0, gt=0, description="LoRA alpha; the update scale is alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
-    init_lora_weights: str = Field("gaussian", description="peft init; B = 0 keeps base output")
+    init: LoRAInit = Field(LoRAInit.GAUSSIAN, description="init of lora_A; lora_B starts at 0")
 
 
 class PolicyRole(str, Enum):
@@ -82,7 +89,9 @@ def attach_lora(model: nn.Module, lora_map: LoRATargetMap, config: LoRATrainConf
     targets = list(lora_map.train_target_modules)
     counts = _check_targets(model, targets)
     peft_config = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                             target_modules=targets, init_lora_weights=config.init_lora_weights)
+                             target_modules=targets,
+                             init_lora_weights=("gaussian" if config.init is LoRAInit.GAUSSIAN
+                                                else True))
     model.requires_grad_(False)
     inject_adapter_in_model(peft_config, model, adapter_name=TRAIN_ADAPTER)
     with warnings.catch_warnings():   # a second adapter on the same model is the intent here

@@ -1,8 +1,8 @@
 """Group-relative advantages, the DiffusionNFT optimality probability, and DPO pair selection.
 
-References: FlowGRPO (arXiv 2505.05470, Sec. 4.1, "GRPO on flow matching": A_i = (R_i - mean) / std),
-DiffusionNFT (arXiv 2509.16117, Eq. 9: r = 1/2 + 1/2 clip((R - E[R|c]) / Z_c, -1, 1)),
-Diffusion-DPO (arXiv 2311.12908) with (best, worst) pairs per prompt as in Flow-DPO (arXiv 2501.13918).
+References: FlowGRPO (arXiv 2505.05470, group-relative advantage A_i = (R_i - mean) / std),
+DiffusionNFT (arXiv 2509.16117, optimality r = 1/2 + 1/2 clip((R - E[R|c]) / Z_c, -1, 1)),
+Diffusion-DPO (arXiv 2311.12908) on (best, worst) pairs per prompt (Flow-DPO, arXiv 2501.13918).
 Shapes: B = samples in the batch; groups are the samples of one prompt.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ class AdvantageMode(str, Enum):
     POSITIVE_ONLY = "positive_only"  # A clipped to [0, c]   -> r >= 1/2
     NEGATIVE_ONLY = "negative_only"  # A clipped to [-c, 0]  -> r <= 1/2
     ONE_ONLY = "one_only"            # A := 1 if A > 0 else 0 -> r in {1/2, 1/2 + 1/(2c)}
-    BINARY = "binary"                # A := sign(A)          -> r in {1/2 - 1/(2c), 1/2, 1/2 + 1/(2c)}
+    BINARY = "binary"                # A := sign(A)  -> r in {1/2 - 1/(2c), 1/2, 1/2 + 1/(2c)}
 
 
 def _check_rewards(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> None:
@@ -50,10 +50,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable], *,
                      adv_clip_max: float | None = None) -> torch.Tensor:
     """A_i = (R_i - mean_{j in g(i)} R_j) / (std + eps), optionally clipped to +-adv_clip_max.
 
-    FlowGRPO Sec. 4.1; the per-prompt stat tracker of the reference code. `global_std=True` (the
-    SD3 default) divides by the std of ALL rewards in the batch, else by the group's own std.
-    `ddof=0` is the population std (numpy default, FlowGRPO); `ddof=1` the sample std (torch
-    default, as some reimplementations use). A group too small for its std (size <= ddof, e.g. a
+    FlowGRPO's group-relative advantage. `global_std=True` (the SD3 recipe's default) divides by
+    the std of ALL rewards in the batch, else by the group's own std.
+    `ddof=0` is the population std (numpy's default, the FlowGRPO recipe); `ddof=1` the sample
+    std (torch's default). A group too small for its std (size <= ddof, e.g. a
     single sample) has A = 0: its deviation from its own mean is exactly 0.
 
     Args:
@@ -94,7 +94,8 @@ def optimality_probability(advantages: torch.Tensor, adv_clip_max: float,
                            mode: AdvantageMode = AdvantageMode.CONTINUOUS) -> torch.Tensor:
     """DiffusionNFT optimality probability r = clamp(A'/c/2 + 1/2, 0, 1), c = adv_clip_max.
 
-    DiffusionNFT Eq. 9 with Z_c = c * std; A' is A transformed by `mode` (see AdvantageMode).
+    DiffusionNFT's optimality probability with Z_c = c * std; A' is A transformed by `mode`
+    (see AdvantageMode).
     Table for CONTINUOUS, c = 5: A in {-10,-5,-2.5,0,2.5,5,10} -> r in {0,0,.25,.5,.75,1,1}.
 
     Args:
@@ -138,8 +139,8 @@ class PreferencePairs:
 def best_worst_pairs(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> PreferencePairs:
     """Per group: winner = argmax R, loser = argmin R (first index on ties).
 
-    Diffusion-DPO (arXiv 2311.12908, Eq. 14) trained on online pairs; Flow-DPO picks the best and
-    worst sample per prompt. Groups whose rewards are all equal (including single-sample groups)
+    Diffusion-DPO (arXiv 2311.12908) trained on online pairs: the best and worst sample per
+    prompt. Groups whose rewards are all equal (including single-sample groups)
     carry no preference and yield no pair; the caller decides what an empty batch means.
     """
     _check_rewards(rewards, group_ids)

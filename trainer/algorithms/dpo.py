@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from contract import ConfigError, InvalidRequestError
+from diffusion.schedule import shift_sigma
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,28 @@ def dpo_pair_inputs(x0_winner: torch.Tensor, x0_loser: torch.Tensor, noise: torc
     s = sigma.to(x0_winner.dtype).reshape(sigma.shape + (1,) * (x0_winner.ndim - 1))
     return DPOPairInputs((1 - s) * x0_winner + s * noise, (1 - s) * x0_loser + s * noise,
                          noise - x0_winner, noise - x0_loser)
+
+
+def sample_pair_sigmas(num_pairs: int, *, shift: float, generator: torch.Generator,
+                       num_train_timesteps: int = 1000, logit_mean: float = 0.0,
+                       logit_std: float = 1.0) -> torch.Tensor:
+    """One noise level per pair: logit-normal u indexes the (shifted) TRAINING sigma table.
+
+    u = sigmoid(N(logit_mean, logit_std^2)); index = floor(u T) into the descending T-step table
+    sigma_k = shift(k / T), k = T..1 (SD3's logit-normal timestep density, Esser et al. 2024,
+    arXiv 2403.03206, Sec. 3.1). Never the rollout's few-step inference table. Returns (P,) fp32.
+    """
+    if num_pairs < 1 or num_train_timesteps < 2:
+        raise ConfigError("num_pairs >= 1 and num_train_timesteps >= 2", field="num_pairs",
+                          actual=(num_pairs, num_train_timesteps))
+    if logit_std <= 0 or shift <= 0:
+        raise ConfigError("logit_std and shift must be > 0", field="logit_std",
+                          actual=(logit_std, shift))
+    u = torch.sigmoid(logit_mean + logit_std * torch.randn(num_pairs, generator=generator,
+                                                           dtype=torch.float64))     # (P,)
+    index = (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)    # (P,)
+    k = (num_train_timesteps - index).double()                                     # T..1
+    return torch.as_tensor(shift_sigma(k / num_train_timesteps, shift)).float()
 
 
 def _elem_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # (P, *S) -> (P,)

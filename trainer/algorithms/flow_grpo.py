@@ -1,7 +1,7 @@
 """FlowGRPO: PPO-style clipped surrogate on the SDE transition log-probs of a stored trajectory.
 
 Reference: Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL" (arXiv 2505.05470),
-Eq. 7-9 (clipped GRPO objective with KL to the reference) and Sec. 4.1 (ODE->SDE conversion).
+the clipped GRPO objective with a KL to the reference, on the SDE obtained from the flow ODE.
 The log-prob of step j is recomputed by the trainer with `diffusion.samplers.sampler_step(...,
 prev_sample=x_{j+1})` on the stored fp32 (x_j, x_{j+1}); `old_log_prob` is the rollout's value.
 Shapes: B = samples, K = trained steps, *S = per-sample state shape.
@@ -20,7 +20,7 @@ from diffusion.samplers import StepOutput, sampler_step
 class KLTarget(str, Enum):
     """Where the KL to the reference policy is measured."""
 
-    SDE_MEAN = "sde_mean"    # mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2)  (FlowGRPO default)
+    SDE_MEAN = "sde_mean"    # mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2)  (default)
     VELOCITY = "velocity"    # mean_elems((v_theta - v_ref)^2)  (train without CFG, test with CFG)
 
 
@@ -28,8 +28,9 @@ def trainable_step_indices(sigmas: torch.Tensor, window: tuple[int, int],
                            max_steps: int | None = None) -> list[int]:
     """Steps j in window [start, end) whose transition is trainable: sigma_{j+1} > 0.
 
-    The step into sigma = 0 (the last one) is never trained: its Gaussian is extremely sharp and the
-    log-prob overflows (FlowGRPO Sec. 5 / timestep_fraction = 0.99). `max_steps` keeps the first ones.
+    The step into sigma = 0 (the last one) is never trained: its Gaussian is extremely sharp and
+    the log-prob overflows (the FlowGRPO recipe trains 99% of steps for this reason).
+    `max_steps` keeps the first ones.
 
     Args:
         sigmas: (N+1,) schedule, sigmas[0] = 1 ... sigmas[N] = 0.
@@ -78,7 +79,7 @@ def window_step(trajectory: Trajectory, step: int) -> WindowStep:
 
 
 def recompute_step(trajectory: Trajectory, step: int, velocity: torch.Tensor) -> StepOutput:
-    """Score the stored x_{j+1} under `velocity` at x_j: log p_theta(x_{j+1} | x_j) of Eq. 8.
+    """Score the stored x_{j+1} under `velocity` at x_j: log p_theta(x_{j+1} | x_j).
 
     Same sampler kind and noise level as the rollout; velocity: (B, *S) in the project convention
     (v = eps - x0), with graph. For the SDE-mean KL, std_dev_t = out.std / out.sqrt_dt.
@@ -99,8 +100,8 @@ def sde_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor,
                 std_dev_t: torch.Tensor | float) -> torch.Tensor:
     """KL_j = mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2), per sample.
 
-    FlowGRPO Eq. 9 in the current reference form (the sqrt(-dt) factor of the exact Gaussian KL is
-    dropped, so late steps weigh more). mean, ref_mean: (B, *S); std_dev_t: scalar or (B,) > 0.
+    FlowGRPO's KL on the SDE mean, without the sqrt(-dt) factor of the exact Gaussian KL (so later
+    steps weigh more). mean, ref_mean: (B, *S); std_dev_t: scalar or (B,) > 0.
     Returns (B,).
     """
     std = torch.as_tensor(std_dev_t, dtype=mean.dtype, device=mean.device)
@@ -142,8 +143,8 @@ def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
                    kl_beta: float = 0.0) -> FlowGRPOLoss:
     """L = mean( max(-A rho, -A clip(rho, 1-eps, 1+eps)) ) + kl_beta * mean(KL).
 
-    FlowGRPO Eq. 8: rho = exp(log p_theta(x_{j+1}|x_j) - log p_old(x_{j+1}|x_j)), A clipped to
-    +-adv_clip_max and shared by every step of a sample.
+    FlowGRPO's clipped objective: rho = exp(log p_theta(x_{j+1}|x_j) - log p_old(x_{j+1}|x_j)),
+    A clipped to +-adv_clip_max and shared by every step of a sample.
 
     Args:
         log_prob: (B,) or (B, K) recomputed element-mean log-probs (carry the graph).
@@ -174,7 +175,7 @@ def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     ratio = torch.exp(log_ratio)                                              # rho
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()                    # Eq. 8 (pessimistic)
+    policy_loss = torch.maximum(unclipped, clipped).mean()                    # pessimistic bound
     kl_term = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
     if kl is not None:
         if kl.shape != log_prob.shape:

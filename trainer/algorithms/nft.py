@@ -1,9 +1,10 @@
 """DiffusionNFT: negative-aware fine-tuning on the forward (noising) process.
 
 Reference: Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
-(arXiv 2509.16117), Eq. 6 (implicit positive/negative policies), Eq. 10 (the loss), Sec. 3.3
-(adaptive weighting, soft old-policy update). Rollouts come from the "old" policy; the trainer
-noises the clean samples x0 afresh: x_sigma = (1 - sigma) x0 + sigma eps, target v = eps - x0.
+(arXiv 2509.16117): implicit positive/negative policies, the negative-aware flow-matching loss,
+adaptive (self-normalised) weighting and the soft old-policy update. Rollouts come from the "old"
+policy; the trainer noises the clean samples x0 afresh: x_sigma = (1 - sigma) x0 + sigma eps,
+target v = eps - x0.
 Shapes: B = samples, *S = per-sample state shape, D = prod(S).
 """
 from __future__ import annotations
@@ -53,14 +54,15 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_sigma: torch.Tensor, 
              weight_min: float = 1e-5) -> NFTLoss:
     """DiffusionNFT loss with x0-space adaptive weighting.
 
-        v+ = beta v_theta + (1 - beta) v_old,   v- = (1 + beta) v_old - beta v_theta     (Eq. 6)
+        v+ = beta v_theta + (1 - beta) v_old,   v- = (1 + beta) v_old - beta v_theta
         x0+- = x_sigma - sigma v+-,  w+- = stopgrad(mean_elems|x0+- - x0|) clipped >= weight_min
         L+- = mean_elems((x0+- - x0)^2) / w+-
         L  = c * mean_B(r L+ / beta + (1 - r) L- / beta) + ref_kl_coef * mean((v_theta - v_ref)^2)
 
-    Since x0+- - x0 = -sigma (v+- - v), this is Eq. 10's r||v+ - v||^2 + (1-r)||v- - v||^2 with a
-    self-normalising weight; at v_theta = v_old the gradient is 2(2r-1) sigma^2 (v_old - v) c/(w D B),
-    independent of beta. `beta` is the guidance strength (not the KL coefficient `ref_kl_coef`).
+    Since x0+- - x0 = -sigma (v+- - v), this is the paper's r||v+ - v||^2 + (1-r)||v- - v||^2
+    with a self-normalising weight; at v_theta = v_old the gradient is
+    2(2r-1) sigma^2 (v_old - v) c / (w D B), independent of beta. `beta` is the guidance
+    strength, not the KL coefficient `ref_kl_coef`.
 
     Args:
         v_theta: (B, *S) velocity of the trained ("default") adapter, with graph.
@@ -94,11 +96,11 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_sigma: torch.Tensor, 
                                   actual=optimality.tolist())
     v_old = v_old.detach()
     s = _per_sample(sigma, v_theta)                                           # (B, 1...)
-    v_plus = beta * v_theta + (1.0 - beta) * v_old                            # Eq. 6
+    v_plus = beta * v_theta + (1.0 - beta) * v_old                            # implicit policies
     v_minus = (1.0 + beta) * v_old - beta * v_theta
     x0_plus = x_sigma - s * v_plus                                            # (B, *S)
     x0_minus = x_sigma - s * v_minus
-    with torch.no_grad():  # adaptive weights: float64, stop-grad (Sec. 3.3)
+    with torch.no_grad():  # adaptive weights: float64, stop-grad
         w_plus = _elem_mean((x0_plus.double() - x0.double()).abs()).clamp(min=weight_min)
         w_minus = _elem_mean((x0_minus.double() - x0.double()).abs()).clamp(min=weight_min)
     loss_plus = _elem_mean((x0_plus - x0) ** 2) / w_plus.to(v_theta.dtype)    # (B,)
@@ -117,7 +119,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_sigma: torch.Tensor, 
 
 
 class OldPolicySchedule(str, Enum):
-    """Decay d of the old-policy update theta_old <- d theta_old + (1 - d) theta (Sec. 3.3)."""
+    """Decay d of the soft old-policy update theta_old <- d theta_old + (1 - d) theta."""
 
     COPY = "copy"                                        # d = 0
     LINEAR_TO_0_5 = "linear_to_0_5"                      # d = min(0.001 step, 0.5)
@@ -142,7 +144,7 @@ def old_decay(step: int, schedule: OldPolicySchedule) -> float:
 @torch.no_grad()
 def ema_update(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.Tensor],
                decay: float) -> None:
-    """In place: old <- decay * old + (1 - decay) * new. decay = 0 copies (DiffusionNFT Sec. 3.3)."""
+    """In place: old <- decay * old + (1 - decay) * new; decay = 0 copies (DiffusionNFT)."""
     if not 0.0 <= decay <= 1.0:
         raise ConfigError("decay must lie in [0, 1]", field="decay", expected="[0, 1]",
                           actual=decay)
