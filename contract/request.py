@@ -85,6 +85,15 @@ class SamplingSpec(FrozenModel):
             return (0, max(self.num_steps - 1, 1))
         return self.sde_window
 
+    @field_validator("noise_level")
+    @classmethod
+    def _check_noise_level(cls, value: float, info: ValidationInfo) -> float:
+        sampler = info.data.get("sampler")
+        if value == 0.0 and sampler is not None and sampler != SamplerKind.ODE:
+            raise ValueError(f"noise_level 0 leaves the {sampler.value} window without a "
+                             "log-prob; use sampler='ode' for a deterministic rollout")
+        return value
+
     @field_validator("seeds")
     @classmethod
     def _check_seeds(cls, value: tuple[int, ...]) -> tuple[int, ...]:

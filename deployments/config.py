@@ -12,6 +12,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contract import ConfigError, RequestLimits
+from rewards.combine import RewardConfig, ScorerWeight
+from rewards.registry import ScorerSpec
 from rollout.config import RolloutConfig
 
 
@@ -67,18 +69,16 @@ class EncoderStage(StageOptions):
     num_cpus_per_shard: float = Field(0.25, gt=0)
 
 
-class ScorerSpec(Model):
-    """One scorer deployment (a scorer family) and how its score enters the reward."""
+class ScorerStage(Model):
+    """One scorer deployment (a scorer family): what it is, what it reads, how it counts."""
 
     name: str
-    kind: str = Field(description="Scorer kind, see rewards.registry.")
+    scorer: ScorerSpec = Field(description="Scorer kind and parameters (rewards.registry).")
     inputs: tuple[str, ...] = Field(min_length=1, description="Decoded artifact names it reads.")
-    weight: float = Field(1.0, ge=0)
-    required: bool = True
-    timeout_s: float = Field(60.0, gt=0)
-    options: dict[str, Any] = Field(default_factory=dict, description="Scorer constructor args.")
+    reward: ScorerWeight = Field(default_factory=ScorerWeight,
+                                 description="Weight, required/optional policy, timeout.")
     stage: StageOptions = Field(default_factory=StageOptions)
-    max_batch_size: int = Field(8, ge=1)
+    max_batch_size: int = Field(8, ge=1, description="@serve.batch micro-batch (requests).")
     batch_wait_timeout_s: float = Field(0.01, ge=0)
 
 
@@ -98,11 +98,17 @@ class GraphConfig(Model):
     encoder: EncoderStage = Field(default_factory=EncoderStage)
     rollout_stage: StageOptions = Field(default_factory=StageOptions)
     decoder: StageOptions = Field(default_factory=StageOptions)
-    scorers: tuple[ScorerSpec, ...] = ()
+    scorers: tuple[ScorerStage, ...] = ()
     ingress: StageOptions = Field(default_factory=StageOptions)
     limits: RequestLimits = Field(default_factory=RequestLimits)
     http: HttpOptions = Field(default_factory=HttpOptions)
     policy_store: str = Field("omni_policy_store", description="Named actor holding LoRA versions.")
+
+    @property
+    def reward_config(self) -> RewardConfig | None:
+        if not self.scorers:
+            return None
+        return RewardConfig(scorers={s.name: s.reward for s in self.scorers})
 
     @property
     def adapter(self) -> str:

@@ -21,12 +21,12 @@ from starlette.responses import JSONResponse
 from adapters.registry import get_adapter
 from contract import (GraphResult, InvalidRequestError, LimitExceededError, PromptBundle,
                       ReplicaFailedError,
-                      Representation, RolloutError, RolloutRequest, SamplingSpec, ScorerOutput,
+                      Representation, RewardReport, RolloutError, RolloutRequest, SamplingSpec, ScorerOutput,
                       StageOutput, check_limits, check_requested_artifacts, normalize_media)
 from contract.http import HTTPRolloutRequest
 from deployments.config import GraphConfig
 from deployments.metrics import StageMetrics
-from rewards.combine import combine_scores
+from rewards.combine import RewardCombiner, policy_failure
 
 _REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -53,6 +53,8 @@ class RolloutGraph:
         self.encoder, self.rollout_stage = encoder, rollout
         self.decoders, self.scorers = dict(decoders), dict(scorers)
         self.scorer_specs = {s.name: s for s in config.scorers}
+        self.combiner = RewardCombiner(config.reward_config) if config.scorers else None
+        self._primaries: dict[str, str] | None = None
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
 
@@ -107,13 +109,11 @@ class RolloutGraph:
                      for latent, names in decoded_by_latent.items()}
         artifacts = {n: h for n, h in stage.artifacts.items() if n in requested}
         previews: dict[str, tuple[str, ...]] = {}
-        decoded_outputs: dict[str, StageOutput] = {}
-        for latent, response in responses.items():
+        for response in responses.values():
             out: StageOutput = await self._await_small(response)
-            decoded_outputs[latent] = out
             artifacts.update(out.artifacts)
             previews.update(out.previews)
-        rewards = await self._score(request, requested, responses, decoded_outputs)
+        rewards = await self._score(request, responses)
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
@@ -132,7 +132,9 @@ class RolloutGraph:
                 plan.setdefault(spec.source, []).append(name)
         return {latent: tuple(names) for latent, names in plan.items()}
 
-    async def _score(self, request, requested, responses, decoded_outputs):
+    async def _score(self, request, responses) -> RewardReport | None:
+        """Call every scorer deployment (per request, so scoring overlaps other requests'
+        rollouts) under its timeout; failures go through the required/optional policy."""
         if not self.scorers:
             return None
         n = request.sampling.samples_per_prompt
@@ -140,6 +142,10 @@ class RolloutGraph:
         conditions = {role.value: item.data for role, item in
                       normalize_media(request.media, request.task, request.request_id).items()}
         metadata = tuple(dict(conditions, seed=seed) for seed in request.sampling.seeds)
+        if self._primaries is None:
+            names = list(self.scorers)
+            got = await asyncio.gather(*(self.scorers[k].primary.remote() for k in names))
+            self._primaries = dict(zip(names, got))
         calls = {}
         for name, handle in self.scorers.items():
             spec = self.scorer_specs[name]
@@ -147,11 +153,17 @@ class RolloutGraph:
             calls[name] = asyncio.wait_for(
                 self._await_small(handle.score.remote(
                     *(responses[s] for s in sources), prompts=prompts, metadata=metadata)),
-                timeout=spec.timeout_s)
+                timeout=spec.reward.timeout_s)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
-        outputs: dict[str, ScorerOutput | BaseException] = dict(zip(calls, results))
-        return combine_scores(outputs, self.config.scorers, request.sampling.samples_per_prompt,
-                              request_id=request.request_id)
+        outputs: dict[str, ScorerOutput] = {}
+        for name, result in zip(calls, results):
+            if isinstance(result, BaseException):
+                reason = ("timed out" if isinstance(result, asyncio.TimeoutError)
+                          else f"{type(result).__name__}: {result}")
+                result = policy_failure(name, self.scorer_specs[name].reward, n, reason, result,
+                                        request_id=request.request_id)
+            outputs[name] = result
+        return self.combiner(outputs, self._primaries)
 
     # ---------------------------------------------------------------- HTTP API
     async def __call__(self, http: Request) -> JSONResponse:

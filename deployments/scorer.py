@@ -14,7 +14,7 @@ import torch
 from ray import serve
 
 from contract import MediaArtifact, MissingArtifactError, ScorerOutput, StageOutput
-from deployments.config import ScorerSpec
+from deployments.config import ScorerStage
 from deployments.metrics import StageMetrics
 from rewards.base import ScoreRequest
 from rewards.registry import build_scorer
@@ -48,12 +48,15 @@ def _batch_key(request: ScoreRequest) -> tuple:
 
 
 class ScorerServer:
-    def __init__(self, spec: ScorerSpec):
+    def __init__(self, spec: ScorerStage):
         self.spec = spec
-        self.scorer = build_scorer(spec.kind, spec.options)
+        self.scorer = build_scorer(spec.scorer)
         self.metrics = StageMetrics(f"scorer:{spec.name}")
         self._score_batch.set_max_batch_size(spec.max_batch_size)
         self._score_batch.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
+
+    async def primary(self) -> str:
+        return self.scorer.primary
 
     async def score(self, *decoded: StageOutput, prompts: Sequence[str],
                     metadata: Sequence[Mapping[str, Any]]) -> ScorerOutput:

@@ -374,3 +374,12 @@ def test_to_dict_is_the_json_error_body():
     assert body["request_id"] == RID
     json.dumps(err.to_dict())                                   # JSON-safe, tensors stringified
     assert isinstance(RolloutError("x").to_dict()["error"]["field"], type(None))
+
+
+def test_stochastic_sampler_with_zero_noise_level_names_the_field():
+    import pydantic
+    from contract import SamplingSpec, SamplerKind
+    with pytest.raises(pydantic.ValidationError) as err:
+        SamplingSpec(sampler=SamplerKind.SDE, noise_level=0.0, seeds=(0,))
+    assert err.value.errors()[0]["loc"] == ("noise_level",)
+    assert SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, seeds=(0,)).window == (0, 0)
