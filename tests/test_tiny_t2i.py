@@ -1,0 +1,117 @@
+"""The embedded tiny_t2i adapter: shipped weights, token ids, inference form, pretraining."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.inference_form import ShardedLinear, modules_with_suffix
+from adapters.registry import ADAPTERS, get_adapter
+from adapters.sample import sample_latents
+from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IAdapter
+from contract import (ConfigError, InvalidRequestError, LimitExceededError, MediaArtifact,
+                      SamplingSpec, collect_artifacts)
+from synthetic.shapes import caption, sample_specs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    adapter = get_adapter("tiny_t2i")
+    return adapter, adapter.load()          # shipped weights, offline
+
+
+def test_registry():
+    assert ADAPTERS["tiny_t2i"] is TinyT2IAdapter
+    with pytest.raises(ConfigError) as err:
+        get_adapter("no_such_model")
+    assert err.value.field == "adapter" and "tiny_t2i" in err.value.expected
+
+
+def test_shipped_weights_produce_valid_artifacts(loaded):
+    adapter, components = loaded
+    assert (SHIPPED_WEIGHTS / "MODEL_CARD.md").is_file()
+    prompts = [caption(s) for s in sample_specs(3, 0)]
+    latents = sample_latents(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
+    sampling = SamplingSpec(seeds=(0, 1, 2))
+    named = adapter.split_state(latents, sampling)
+    images = adapter.decode(components.decoders, "image_latent", named["image_latent"])
+    assert images.dtype == torch.uint8 and images.shape == (3, 3, 32, 32)
+    produced = [MediaArtifact(adapter.io_spec["image_latent"], named["image_latent"]),
+                MediaArtifact(adapter.io_spec["image"], images)]
+    out = collect_artifacts(adapter.io_spec, adapter.io_spec.defaults, produced)
+    assert set(out) == {"image_latent", "image"}
+    # seeded: the same seeds give the same latents
+    again = sample_latents(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
+    assert torch.equal(latents, again)
+
+
+def test_encoder_sees_the_dataset_ids_unchanged(loaded):
+    adapter, components = loaded
+    texts = [caption(s) for s in sample_specs(4, 3)] + [""]
+    dataset_ids = [adapter.tokenizer(t)["input_ids"] for t in texts]   # what a dataset stores
+    bundles = adapter.tokenize(texts)
+    assert [list(b.token_ids) for b in bundles] == dataset_ids
+    seen = {}
+    hook = components.text_encoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(ids=kwargs["input_ids"].clone()),
+        with_kwargs=True)
+    try:
+        cond = adapter.encode(components.text_encoder, bundles)
+    finally:
+        hook.remove()
+    for row, ids in enumerate(dataset_ids):
+        assert seen["ids"][row, :len(ids)].tolist() == ids
+        assert (seen["ids"][row, len(ids):] == adapter.tokenizer.pad_token_id).all()
+        assert cond.mask[row].sum() == len(ids)
+    # a row's condition does not depend on the rest of its batch (fixed padding)
+    alone = adapter.encode(components.text_encoder, bundles[:1])
+    torch.testing.assert_close(alone.hidden[0], cond.hidden[0], rtol=0, atol=1e-5)
+    with pytest.raises(LimitExceededError):
+        adapter.tokenize(["a red circle " * 20])
+
+
+def test_inference_form_gives_the_same_velocity(loaded):
+    adapter, components = loaded
+    fused = adapter.to_inference_form(components.transformer)
+    assert not list(modules_with_suffix(fused, "attn.to_q"))
+    assert list(modules_with_suffix(fused, "attn.to_qkv"))
+    fc1_name, fc1 = next(modules_with_suffix(components.transformer, "ff.net.0.proj"))
+    sharded = fused.get_submodule(fc1_name)
+    assert isinstance(sharded, ShardedLinear) and sharded.shard_order == (1, 0)
+    half = fc1.out_features // 2
+    assert torch.equal(sharded.shards[0].weight, fc1.weight[half:])      # the reorder is real
+    gen = torch.Generator().manual_seed(0)
+    state = torch.randn(3, 4, 8, 8, generator=gen)
+    cond = adapter.encode(components.text_encoder,
+                          adapter.tokenize([caption(s) for s in sample_specs(3, 4)]))
+    model_time = torch.tensor([999.0, 500.0, 20.0])
+    with torch.no_grad():
+        v_train = adapter.model_forward(components.transformer, state, model_time, cond)
+        v_infer = adapter.model_forward(fused, state, model_time, cond)
+    assert (v_train - v_infer).abs().max() <= 1e-5
+    assert v_train.abs().mean() > 0.1
+
+
+def test_sampling_spec_is_checked(loaded):
+    adapter, _ = loaded
+    assert adapter.state_shape(SamplingSpec(seeds=(0,))) == (4, 8, 8)
+    with pytest.raises(InvalidRequestError) as err:
+        adapter.state_shape(SamplingSpec(seeds=(0,), height=64))
+    assert err.value.field == "sampling.height"
+    with pytest.raises(ConfigError):
+        adapter.load("/nonexistent/tiny_t2i")
+
+
+def test_pretrain_script_reduces_the_loss(tmp_path):
+    from scripts.pretrain_t2i import run
+    report = run(["--out", str(tmp_path), "--vae-steps", "12", "--dit-steps", "12",
+                  "--batch-size", "8", "--eval-samples", "0", "--vae-lr", "3e-3",
+                  "--dit-lr", "2e-3"])
+    vae_before, vae_after = report["vae_probe"]
+    dit_before, dit_after = report["dit_probe"]
+    assert vae_after < vae_before and dit_after < dit_before
+    assert (tmp_path / "loss_curves.png").is_file()
+    reloaded = TinyT2IAdapter().load(str(tmp_path))                   # same layout loads
+    vae = reloaded.decoders["image_latent"]
+    assert vae.config.scaling_factor == pytest.approx(report["latent_scale"])
