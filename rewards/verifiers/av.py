@@ -140,7 +140,7 @@ def seen_color(video: np.ndarray) -> Color | None:
     return min(Color, key=lambda c: float(np.sum((rgb - np.array(RGB[c])) ** 2)))
 
 
-def psnr_score(a: np.ndarray, b: np.ndarray, lo: float = 12.0, hi: float = 32.0) -> float:
+def psnr_score(a: np.ndarray, b: np.ndarray, lo: float = 16.0, hi: float = 40.0) -> float:
     """PSNR of two uint8 frames mapped linearly from [lo, hi] dB to [0, 1]."""
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     psnr = 99.0 if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
