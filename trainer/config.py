@@ -1,0 +1,186 @@
+"""Trainer configuration: one pydantic model per concern, unknown fields forbidden.
+
+    cfg = load_trainer_config("configs/train_tiny_t2i.yaml")
+    cfg.graph_config()          # the rollout graph (a Serve YAML path or an inline GraphConfig)
+
+Per-algorithm knobs live in their own sub-model (NFT `beta` is the guidance strength, not a KL
+coefficient; the KL coefficients are `ref_kl_coef` / `kl_beta`).
+"""
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from contract import Algorithm, ConfigError, SamplerKind
+from deployments.config import GraphConfig, load_graph_config
+from trainer.algorithms import KLTarget, OldPolicySchedule
+from trainer.algorithms.advantages import AdvantageMode
+from trainer.lora import LoRATrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class PipelineMode(str, Enum):
+    SERIAL = "serial"    # rollout k, then train k, then rollout k+1
+    ASYNC = "async"      # rollout k+1 is in flight while step k trains (bounded staleness)
+
+
+class PromptSource(str, Enum):
+    """Where training / held-out prompts come from (synthetic, verifiable)."""
+
+    SHAPES = "shapes"    # synthetic/shapes.py captions, train / eval splits
+    CLIPS = "clips"      # synthetic/clips.py captions, disjoint seed ranges
+
+
+class SamplerSettings(Model):
+    """How rollouts are sampled (SamplingSpec fields the trainer chooses)."""
+
+    sampler: SamplerKind = SamplerKind.SDE
+    num_steps: int = Field(10, ge=2)
+    noise_level: float = Field(0.7, ge=0.0, le=2.0)
+    window: tuple[int, int] | None = Field(
+        None, description="[start, end) SDE steps; None = all but the last step.")
+    guidance_scale: float = Field(1.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplerSettings":
+        if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
+            raise ValueError(f"window {self.window} must satisfy 0 <= start < end <= "
+                             f"num_steps={self.num_steps}")
+        return self
+
+
+class OptimizerConfig(Model):
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(1e-4, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class NFTConfig(Model):
+    beta: float = Field(1.0, gt=0, description="Guidance strength of the implicit policies.")
+    adv_clip_max: float = Field(5.0, gt=0)
+    adv_mode: AdvantageMode = AdvantageMode.CONTINUOUS
+    ref_kl_coef: float = Field(1e-4, ge=0, description="Velocity KL to the base model.")
+    old_refresh_every: int = Field(2, ge=1, description="Optimizer steps between old refreshes.")
+    decay: OldPolicySchedule = OldPolicySchedule.LINEAR_TO_0_5
+    train_timesteps: int = Field(4, ge=1, description="Random noise levels per sample per step.")
+
+
+class FlowGRPOConfig(Model):
+    clip_range: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)
+    kl_beta: float = Field(0.0, ge=0)
+    kl_target: KLTarget = KLTarget.SDE_MEAN
+    max_train_steps: int | None = Field(None, ge=1, description="Window steps trained (first n).")
+
+
+class DPOConfig(Model):
+    beta: float = Field(100.0, gt=0)
+    draws_per_pair: int = Field(4, ge=1, description="(sigma, eps) draws per pair per step.")
+
+
+class PipelineConfig(Model):
+    mode: PipelineMode = PipelineMode.ASYNC
+    max_staleness: int = Field(1, ge=0, description="Sampling-policy versions a batch may lag.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineConfig":
+        if self.mode is PipelineMode.ASYNC and self.max_staleness < 1:
+            raise ValueError("async pipelining samples the next batch with the previous policy: "
+                             "max_staleness must be >= 1")
+        return self
+
+
+class EvalConfig(Model):
+    every: int = Field(5, ge=1, description="Evaluate every N steps (and at step 0 and the end).")
+    num_prompts: int = Field(8, ge=1)
+    samples_per_prompt: int = Field(2, ge=1)
+    num_steps: int = Field(10, ge=1, description="ODE steps of the held-out evaluation.")
+    seed: int = 10_000
+
+
+class ChecksConfig(Model):
+    time_convention: bool = True
+    lora_map: bool = True
+    token_ids: bool = True
+    lora_map_atol: float = Field(1e-4, gt=0)
+    logprob_ratio_tol: float = Field(1e-4, gt=0, description="|ratio - 1| at version parity.")
+
+
+class TrainerConfig(Model):
+    graph: str | GraphConfig = Field("configs/tiny_t2i.yaml",
+                                     description="Serve YAML path (repo-relative) or inline.")
+    algorithm: Algorithm = Algorithm.NFT
+    prompts: PromptSource = PromptSource.SHAPES
+    steps: int = Field(50, ge=1)
+    prompts_per_step: int = Field(4, ge=1)
+    samples_per_prompt: int = Field(4, ge=2, description="Group size.")
+    sampler: SamplerSettings = Field(default_factory=SamplerSettings)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    lora: LoRATrainConfig = Field(default_factory=LoRATrainConfig)
+    nft: NFTConfig = Field(default_factory=NFTConfig)
+    flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    run_dir: str = "runs/train"
+    seed: int = 0
+    checkpoint_every: int = Field(10, ge=1)
+    resume: bool = False
+    gallery: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.algorithm is Algorithm.FLOW_GRPO and self.sampler.sampler is SamplerKind.ODE:
+            raise ValueError("flow_grpo trains on SDE transition log-probs: sampler must not "
+                             "be 'ode'")
+        return self
+
+    def graph_config(self) -> GraphConfig:
+        if isinstance(self.graph, GraphConfig):
+            return self.graph
+        path = Path(self.graph)
+        if not path.is_absolute() and not path.exists():
+            path = REPO_ROOT / path
+        if not path.is_file():
+            raise ConfigError("graph config file not found", field="graph",
+                              expected="a Serve YAML path", actual=self.graph)
+        return load_graph_config(path)
+
+
+def load_trainer_config(source: str | Path | dict[str, Any],
+                        overrides: dict[str, Any] | None = None) -> TrainerConfig:
+    """YAML path or dict -> TrainerConfig; errors name the field (ConfigError)."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file() and (REPO_ROOT / path).is_file():
+            path = REPO_ROOT / path
+        if not path.is_file():
+            raise ConfigError("trainer config file not found", field="config", actual=str(source))
+        data = yaml.safe_load(path.read_text()) or {}
+    else:
+        data = dict(source)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(f"invalid trainer config: {first['msg']}",
+                          field=".".join(str(p) for p in first["loc"]),
+                          actual=first.get("input")) from exc

@@ -1,0 +1,92 @@
+"""Run folder outputs: metrics.jsonl + TensorBoard, checkpoints, the reward curve, the gallery."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from contract import ConfigError
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        row = {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_reward_curve(run_dir: Path) -> Path:
+    """reward_curve.png: training reward mean (+-std) and held-out reward per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["reward_mean"], r.get("reward_std", 0.0)) for r in rows
+             if "reward_mean" in r]
+    held = [(r["step"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        s, m, sd = zip(*train)
+        ax.plot(s, m, label="train reward (rollout policy)")
+        ax.fill_between(s, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                        alpha=0.2)
+    if held:
+        s, m = zip(*held)
+        ax.plot(s, m, "o-", label="held-out verifier reward (ODE)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = run_dir / "reward_curve.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def save_checkpoint(run_dir: Path, step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
+                    optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> Path:
+    """checkpoints/step_<k>/: <adapter>.safetensors per adapter, optimizer.pt, state.json."""
+    root = run_dir / "checkpoints" / f"step_{step:06d}"
+    root.mkdir(parents=True, exist_ok=True)
+    for name, t in tensors.items():
+        save_file(dict(t), str(root / f"lora_{name}.safetensors"))
+    torch.save(optimizer.state_dict(), root / "optimizer.pt")
+    (root / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    (run_dir / "checkpoints" / "latest").write_text(root.name)
+    return root
+
+
+def load_checkpoint(run_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
+    """(adapter tensors, optimizer state dict, state) of the latest checkpoint."""
+    marker = run_dir / "checkpoints" / "latest"
+    if not marker.is_file():
+        raise ConfigError("resume requested but the run folder has no checkpoint",
+                          field="resume", actual=str(run_dir))
+    root = run_dir / "checkpoints" / marker.read_text().strip()
+    tensors = {p.stem[len("lora_"):]: load_file(str(p)) for p in root.glob("lora_*.safetensors")}
+    optimizer = torch.load(root / "optimizer.pt", weights_only=True)
+    state = json.loads((root / "state.json").read_text())
+    return tensors, optimizer, state

@@ -1,0 +1,276 @@
+"""The training loop: rollouts from the graph, one optimizer step per batch, LoRA sync back.
+
+    ASYNC (default):   collect(k) -> submit(k+1, latest version) -> train(k) -> publish
+    SERIAL:            collect(k) -> train(k) -> publish -> submit(k+1)
+The rollout of step k+1 (rewards are scored per request inside the graph) overlaps training of
+step k; its rows are then one sampling version stale. Rows staler than `max_staleness` are
+DROPPED and counted (`dropped_stale_rows`), never trained on silently.
+Sampling version: NFT samples with the "old" adapter (published as "<run>/old-<step>" at every
+refresh); FlowGRPO and DPO sample with the current adapter ("<run>/v<step>").
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from adapters.registry import get_adapter
+from contract import Algorithm, PromptBundle, RolloutOutput, RolloutRequest, SamplerKind
+from deployments.client import RolloutClient
+from trainer import checks, gallery
+from trainer.algorithms import old_decay
+from trainer.config import PipelineMode, TrainerConfig
+from trainer.learner import Learner
+from trainer.logs import MetricsLogger, load_checkpoint, plot_reward_curve, save_checkpoint
+from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, refresh_old
+from trainer.prompts import captions, make_requests, probe_clean_latents
+from trainer.sync import PolicyPublisher
+from trainer.updates import UPDATES, build_batch
+
+
+@dataclass
+class Pending:
+    step: int
+    prompts: list[PromptBundle]
+    requests: list[RolloutRequest]
+    response: Any
+    submitted: float
+
+
+def stale_rows(versions: Sequence[str], published: Sequence[str], max_staleness: int) -> list[bool]:
+    """Per row: True if its sampling version lags the latest by more than max_staleness
+    versions (or is unknown to this run)."""
+    index = {v: i for i, v in enumerate(published)}
+    latest = len(published) - 1
+    return [v not in index or latest - index[v] > max_staleness for v in versions]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, client: RolloutClient | None = None,
+                 progress: bool = False):
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.graph = cfg.graph_config()
+        self.adapter = get_adapter(self.graph.adapter)
+        self.components = self.adapter.load(self.graph.weights_path)
+        self.learner = Learner(self.adapter, self.components, cfg.lora, cfg.optimizer, cfg.seed)
+        self.client = client or RolloutClient.connect(self.graph.app_name)
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.publisher = PolicyPublisher(self.graph.policy_store,
+                                         f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
+        self.logger = MetricsLogger(self.run_dir)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        self.sampling_versions: list[str] = []
+        self.dropped_stale_rows = 0
+        self.progress = progress
+        self.eval_prompts = self.adapter.tokenize(captions(cfg.prompts, cfg.eval.num_prompts,
+                                                           cfg.eval.seed, held_out=True))
+        self.history: list[dict[str, float]] = []
+
+    # ---- versions ------------------------------------------------------------------------------
+    @property
+    def samples_with_old(self) -> bool:
+        return self.cfg.algorithm is Algorithm.NFT
+
+    def publish_sampling(self) -> tuple[str, float]:
+        name = f"old-{self.step}" if self.samples_with_old else f"v{self.step}"
+        version, seconds = self.publisher.publish(
+            name, self.step, *self.learner.export(OLD_ADAPTER if self.samples_with_old
+                                                  else TRAIN_ADAPTER))
+        self.sampling_versions.append(version)
+        return version, seconds
+
+    def current_version(self) -> str:
+        """The current adapter's version (published on demand for NFT, whose sampler is old)."""
+        if not self.samples_with_old:
+            return self.sampling_versions[-1]
+        version = self.publisher.version(f"v{self.step}")
+        if version not in self.publisher.tensors:
+            self.publisher.publish(f"v{self.step}", self.step, *self.learner.export(TRAIN_ADAPTER))
+        return version
+
+    # ---- rollouts ------------------------------------------------------------------------------
+    def submit(self, k: int) -> Pending:
+        cfg = self.cfg
+        prompts = self.adapter.tokenize(captions(cfg.prompts, cfg.prompts_per_step,
+                                                 cfg.seed * 100_003 + k))
+        requests = make_requests(self.adapter, prompts, cfg.sampler, cfg.samples_per_prompt,
+                                 seed=(cfg.seed * 100_003 + k) * 1000,
+                                 version=self.sampling_versions[-1])
+        return Pending(k, prompts, requests, self.client.submit(requests), time.perf_counter())
+
+    def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
+        t0 = time.perf_counter()
+        outputs = self.client.collect(pending.response)
+        return outputs, time.perf_counter() - t0
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out prompts, ODE, fixed seeds, the current adapter; graph-scored rewards."""
+        t0 = time.perf_counter()
+        e = self.cfg.eval
+        requests = make_requests(self.adapter, self.eval_prompts, self.cfg.sampler,
+                                 e.samples_per_prompt, seed=e.seed,
+                                 version=self.current_version(), sampler=SamplerKind.ODE,
+                                 num_steps=e.num_steps)
+        outputs = self.client.rollout(requests)
+        totals = [r for o in outputs for r in o.rewards.total]
+        out = {"eval_reward_mean": sum(totals) / len(totals)}
+        for name in outputs[0].rewards.by_scorer:
+            vals = [v for o in outputs for v in next(iter(o.rewards.by_scorer[name].scores
+                                                         .values())) if v is not None]
+            out[f"eval_{name}_mean"] = sum(vals) / max(len(vals), 1)
+        if self.cfg.gallery:
+            gallery.record(self.run_dir, self.adapter, self.step, outputs)
+        out["eval_s"] = time.perf_counter() - t0
+        return out
+
+    # ---- start-up checks -----------------------------------------------------------------------
+    def startup_checks(self) -> dict[str, float]:
+        c, report = self.cfg.checks, {}
+        if c.time_convention:
+            x0, prompts = probe_clean_latents(self.cfg.prompts, self.adapter, self.components)
+            report.update(checks.check_time_convention(self.learner, x0, prompts))
+        if c.lora_map:
+            report.update(self.check_lora_map())
+        return report
+
+    def check_lora_map(self, publish_transform=None) -> dict[str, float]:
+        tensors, scale = checks.probe_lora(self.learner, seed=self.cfg.seed)
+        sent = publish_transform(tensors) if publish_transform else tensors
+        version, _ = self.publisher.publish(f"probe-{uuid.uuid4().hex[:4]}", self.step, sent,
+                                            scale)
+        prompts = self.eval_prompts[:2]
+        num_steps = 4
+        outs = {}
+        for tag, ver in (("probe", version), ("base", "base")):
+            reqs = make_requests(self.adapter, prompts, self.cfg.sampler, 2, seed=7, version=ver,
+                                 sampler=SamplerKind.ODE, num_steps=num_steps)
+            outs[tag] = self.client.rollout(reqs)
+        states = {tag: build_batch(self.learner, prompts, o, [r.sampling for r in reqs]).x0
+                  for tag, o in outs.items()}
+        seeds = [s for r in reqs for s in r.sampling.seeds]
+        local = checks.sample_local_ode(self.learner, checks.merged_copy(self.learner, tensors,
+                                                                         scale),
+                                        prompts, seeds, num_steps, reqs[0].sampling)
+        return checks.check_lora_map(states["probe"], states["base"], local,
+                                     self.cfg.checks.lora_map_atol)
+
+    # ---- training --------------------------------------------------------------------------------
+    def after_update(self) -> float:
+        """Refresh/publish the sampling policy after optimizer step `self.step`; sync seconds."""
+        if self.samples_with_old:
+            if self.step % self.cfg.nft.old_refresh_every != 0:
+                return 0.0
+            refresh_old(self.learner.transformer, old_decay(self.step, self.cfg.nft.decay))
+        return self.publish_sampling()[1]
+
+    def train_on(self, outputs: list[RolloutOutput], pending: Pending) -> dict[str, float]:
+        samplings = [r.sampling for r in pending.requests]
+        if self.cfg.checks.token_ids:
+            checks.check_token_ids(pending.prompts, outputs)
+        batch = build_batch(self.learner, pending.prompts, outputs, samplings)
+        stale = stale_rows(batch.versions, self.sampling_versions,
+                           self.cfg.pipeline.max_staleness)
+        metrics: dict[str, float] = {"stale_rows": float(sum(stale))}
+        if any(stale):
+            self.dropped_stale_rows += sum(stale)
+            if all(stale):
+                return metrics | {"dropped_stale_rows": float(self.dropped_stale_rows)}
+            fresh = [i for i, o in enumerate(outputs) if stale_rows(
+                [o.policy_version], self.sampling_versions, self.cfg.pipeline.max_staleness) == [False]]
+            batch = build_batch(self.learner, [pending.prompts[i] for i in fresh],
+                                [outputs[i] for i in fresh], [samplings[i] for i in fresh])
+        metrics.update(checks.logprob_mismatch(
+            self.learner, batch.trajectory, batch.cond, self.publisher.tensors_of,
+            batch.versions, self.cfg.checks.logprob_ratio_tol))
+        metrics["reward_mean"] = float(batch.rewards.mean())
+        metrics["reward_std"] = float(batch.rewards.std())
+        for name, vals in batch.scores.items():
+            t = torch.tensor(vals)
+            metrics[f"reward_{name}_mean"], metrics[f"reward_{name}_std"] = (
+                float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0)
+        metrics.update(UPDATES[self.cfg.algorithm](self.learner, batch, self.cfg, self.gen))
+        metrics["rows"] = float(batch.rows)
+        metrics["dropped_stale_rows"] = float(self.dropped_stale_rows)
+        return metrics
+
+    def run(self) -> list[dict[str, float]]:
+        cfg = self.cfg
+        if cfg.resume:
+            self.resume()
+        report = self.startup_checks() if self.step == 0 else {}
+        self.publish_sampling()
+        if report:
+            self.logger.log(self.step, {f"check_{k}": v for k, v in report.items()})
+        if self.step == 0:
+            self.logger.log(0, self.evaluate())
+        bar = _progress(cfg.steps, self.step) if self.progress else None
+        pending = self.submit(self.step)
+        t_last = time.perf_counter()
+        while self.step < cfg.steps:
+            k, current = self.step, pending
+            outputs, wait = self.collect(current)
+            graph_s = time.perf_counter() - current.submitted
+            nxt = k + 1 < cfg.steps
+            if nxt and cfg.pipeline.mode is PipelineMode.ASYNC:
+                pending = self.submit(k + 1)
+            t0 = time.perf_counter()
+            metrics = self.train_on(outputs, current)
+            t_train = time.perf_counter() - t0
+            self.step += 1
+            sync_s = self.after_update()
+            if nxt and cfg.pipeline.mode is PipelineMode.SERIAL:
+                pending = self.submit(k + 1)
+            now = time.perf_counter()
+            metrics.update(rollout_wait_s=wait, rollout_graph_s=graph_s, train_s=t_train,
+                           sync_s=sync_s, step_s=now - t_last,
+                           engine_run_s=_mean(o.metrics.get("run_time_s") for o in outputs))
+            metrics["samples_per_s"] = metrics.get("rows", 0.0) / max(now - t_last, 1e-9)
+            t_last = now
+            if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
+                metrics.update(self.evaluate())
+            self.logger.log(self.step, metrics)
+            self.history.append(metrics)
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                self.checkpoint()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
+                                loss=f"{metrics.get('loss', float('nan')):.4f}")
+        if bar is not None:
+            bar.close()
+        plot_reward_curve(self.run_dir)
+        self.logger.close()
+        return self.history
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, {
+            TRAIN_ADAPTER: self.learner.export(TRAIN_ADAPTER)[0],
+            OLD_ADAPTER: self.learner.export(OLD_ADAPTER)[0]}, self.learner.optimizer,
+            {"sampling_versions": self.sampling_versions, "algorithm": self.cfg.algorithm.value,
+             "dropped_stale_rows": self.dropped_stale_rows})
+
+    def resume(self) -> None:
+        tensors, optimizer, state = load_checkpoint(self.run_dir)
+        for name, t in tensors.items():
+            self.learner.load_adapter(name, t)
+        self.learner.optimizer.load_state_dict(optimizer)
+        self.step = int(state["step"])
+        self.dropped_stale_rows = int(state.get("dropped_stale_rows", 0))
+
+
+def _mean(values) -> float:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _progress(total: int, initial: int):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc="train", unit="step")

@@ -1,0 +1,97 @@
+"""Prompts, rollout requests and probe data for the trainer (synthetic, verifiable sources).
+
+Training prompts come from the train split (shapes) or a seed range (clips); held-out prompts
+from the eval split / a disjoint seed range, so the held-out reward measures generalisation.
+`probe_clean_latents` encodes real synthetic media to clean latents x0 for the time-convention
+check (one explicit function per prompt source; no registration).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from adapters.base import Components, DiffusionAdapter
+from contract import PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec
+from trainer.config import PromptSource, SamplerSettings
+
+EVAL_SEED_OFFSET = 1_000_000   # clips have no split: held-out prompts come from far-away seeds
+
+
+def captions(source: PromptSource, n: int, seed: int, held_out: bool = False) -> list[str]:
+    if source is PromptSource.SHAPES:
+        from synthetic import shapes
+        split = shapes.Split.EVAL if held_out else shapes.Split.TRAIN
+        return [shapes.caption(s) for s in shapes.sample_specs(n, seed, split)]
+    from synthetic import clips
+    return [clips.caption(s) for s in
+            clips.sample_specs(n, seed + (EVAL_SEED_OFFSET if held_out else 0))]
+
+
+def latent_names(adapter: DiffusionAdapter) -> tuple[str, ...]:
+    return tuple(s.name for s in adapter.io_spec.artifacts
+                 if s.representation == Representation.LATENT)
+
+
+def sampling_defaults(adapter: DiffusionAdapter) -> dict[str, int]:
+    d = dict(adapter.sampling_defaults)
+    return {k: d[k] for k in ("height", "width", "num_frames") if k in d}
+
+
+def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
+                  settings: SamplerSettings, group: int, seed: int, version: str | None,
+                  sampler: SamplerKind | None = None, num_steps: int | None = None
+                  ) -> list[RolloutRequest]:
+    """One request per prompt, `group` rows each with seeds seed + i*group + j."""
+    kind = sampler or settings.sampler
+    out = []
+    for i, bundle in enumerate(bundles):
+        sampling = SamplingSpec(
+            sampler=kind, num_steps=num_steps or settings.num_steps,
+            noise_level=settings.noise_level if kind != SamplerKind.ODE else 0.0,
+            sde_window=settings.window if kind != SamplerKind.ODE else None,
+            guidance_scale=settings.guidance_scale,
+            seeds=tuple(seed + i * group + j for j in range(group)),
+            **sampling_defaults(adapter))
+        task = next(iter(adapter.tasks))
+        out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
+                                  requested_artifacts=None, policy_version=version))
+    return out
+
+
+# ---- clean probe latents (time-convention check) -------------------------------------------
+def _shapes_latents(adapter, components: Components, n: int, seed: int):
+    from adapters.tiny_t2i import vae_encode
+    from synthetic import shapes
+    specs = shapes.sample_specs(n, seed, shapes.Split.EVAL)
+    images = shapes.render_batch(specs)                                  # (n, 3, 32, 32) uint8
+    with torch.no_grad():
+        x0 = vae_encode(components.decoders["image_latent"], images)     # (n, 4, 8, 8)
+    return x0, [shapes.caption(s) for s in specs]
+
+
+def _clips_latents(adapter, components: Components, n: int, seed: int):
+    import numpy as np
+    from synthetic import clips
+    specs = clips.sample_specs(n, seed + EVAL_SEED_OFFSET)
+    rendered = [clips.render(s) for s in specs]
+    video = torch.from_numpy(np.stack([r.video for r in rendered]))     # (n, T, 3, H, W) uint8
+    audio = torch.from_numpy(np.stack([r.audio for r in rendered]))     # (n, 1, N) float
+    with torch.no_grad():
+        v = adapter.encode_video(components.decoders["video_latent"], video)
+        a = adapter.encode_audio(components.decoders["audio_latent"], audio)
+    return adapter.pack(v, a), [clips.caption(s) for s in specs]
+
+
+PROBE_LATENTS: dict[PromptSource, Callable] = {
+    PromptSource.SHAPES: _shapes_latents,
+    PromptSource.CLIPS: _clips_latents,
+}
+
+
+def probe_clean_latents(source: PromptSource, adapter: DiffusionAdapter, components: Components,
+                        n: int = 4, seed: int = 123) -> tuple[torch.Tensor, list[PromptBundle]]:
+    """(n, *S) clean sampler states of real synthetic media and their prompts' token ids."""
+    x0, texts = PROBE_LATENTS[source](adapter, components, n, seed)
+    return x0.float(), adapter.tokenize(texts)
+

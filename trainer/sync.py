@@ -1,0 +1,51 @@
+"""Publishing LoRA versions to the rollout graph through the policy store.
+
+Each version is `ray.put` once and registered under a run-unique name (`<run>/v3`, `<run>/old-2`,
+`<run>/probe`); rollout replicas fetch it on demand when a request names it. The trainer keeps
+the exported tensors of recent versions so it can recompute log-probs at version parity.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import ray
+import torch
+
+from contract import PolicyVersionError
+from deployments.policy_store import get_policy_store
+
+
+class PolicyPublisher:
+    def __init__(self, store_name: str, run_tag: str, keep: int = 8):
+        self.store = get_policy_store(store_name, create=True)
+        self.run_tag = run_tag
+        self.keep = keep
+        self.tensors: "OrderedDict[str, dict[str, torch.Tensor]]" = OrderedDict()
+        self.steps: dict[str, int] = {}
+        self._refs: "OrderedDict[str, object]" = OrderedDict()   # keep objects alive
+
+    def version(self, name: str) -> str:
+        return f"{self.run_tag}/{name}"
+
+    def publish(self, name: str, step: int, tensors: dict[str, torch.Tensor],
+                scale: float) -> tuple[str, float]:
+        """Put + register one version; returns (version, seconds spent)."""
+        t0 = time.perf_counter()
+        version = self.version(name)
+        ref = ray.put(tensors)
+        ray.get(self.store.publish.remote(version, step, scale, [ref]))
+        self.tensors[version] = tensors
+        self.steps[version] = step
+        self._refs[version] = ref
+        while len(self.tensors) > self.keep:
+            old, _ = self.tensors.popitem(last=False)
+            self._refs.pop(old, None)
+        return version, time.perf_counter() - t0
+
+    def tensors_of(self, version: str) -> dict[str, torch.Tensor]:
+        if version not in self.tensors:
+            raise PolicyVersionError("the trainer no longer holds this version's tensors",
+                                     field="policy_version", expected=list(self.tensors),
+                                     actual=version)
+        return self.tensors[version]
