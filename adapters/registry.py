@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from adapters.base import DiffusionAdapter
 from adapters.tiny_t2i import TinyT2IAdapter
+from adapters.tiny_t2va import TinyT2VAAdapter
 from contract import ConfigError
 
 ADAPTERS: dict[str, type[DiffusionAdapter]] = {
     "tiny_t2i": TinyT2IAdapter,
+    "tiny_t2va": TinyT2VAAdapter,
 }
 
 
