@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,imagebind]"
+	$(BIN)/pip install -q --no-deps imagebind-unofficial==0.1.1
 	touch $(STAMP)
 
 setup: $(STAMP)

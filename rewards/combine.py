@@ -180,10 +180,10 @@ def run_scorers(scorers: Sequence[Scorer], request: ScoreRequest, config: Reward
                                               expected=batch, actual=out.batch_size)
                 outputs[s.name] = out
             except FutureTimeout:
-                outputs[s.name] = _failed(s.name, entry, batch,
+                outputs[s.name] = policy_failure(s.name, entry, batch,
                                           f"timed out after {entry.timeout_s:g} s", None)
             except Exception as e:  # noqa: BLE001 -- any scorer failure goes through the policy
-                outputs[s.name] = _failed(s.name, entry, batch, f"{type(e).__name__}: {e}", e)
+                outputs[s.name] = policy_failure(s.name, entry, batch, f"{type(e).__name__}: {e}", e)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     primaries = {s.name: s.primary for s in scorers}
@@ -192,12 +192,15 @@ def run_scorers(scorers: Sequence[Scorer], request: ScoreRequest, config: Reward
     return combine(outputs, config, primaries=primaries)
 
 
-def _failed(name: str, entry: ScorerWeight, batch: int, reason: str,
-            cause: BaseException | None) -> ScorerOutput:
+def policy_failure(name: str, entry: ScorerWeight, batch: int, reason: str,
+                   cause: BaseException | None, request_id: str | None = None) -> ScorerOutput:
+    """A scorer call that raised or timed out, under its policy: REQUIRED raises
+    ScorerFailedError (cause attached); OPTIONAL becomes MISSING for every sample."""
     if entry.policy == ScorerPolicy.REQUIRED:
         err = ScorerFailedError(f"required scorer {name!r} failed for samples 0..{batch - 1}: "
                                 f"{reason}", field=f"rewards.{name}.samples",
-                                actual=getattr(cause, "field", None) or reason)
+                                actual=getattr(cause, "field", None) or reason,
+                                request_id=request_id)
         raise err from cause
     return ScorerOutput(scorer=name, scores={}, status=(ScoreStatus.MISSING,) * batch,
                         reasons=(reason,) * batch)
