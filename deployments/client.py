@@ -28,7 +28,9 @@ def materialize(result: GraphResult) -> RolloutOutput:
     return RolloutOutput(request_id=result.request_id, artifacts=dict(zip(names, values)),
                          trajectory=trajectory, policy_version=result.policy_version,
                          seeds=result.seeds, stop_reason=result.stop_reason,
-                         rewards=result.rewards, metrics=dict(result.metrics))
+                         rewards=result.rewards, metrics=dict(result.metrics),
+                         metadata=({"encoded_token_ids": tuple(result.encoded_token_ids)}
+                                   if result.encoded_token_ids is not None else {}))
 
 
 class RolloutClient:

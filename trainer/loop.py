@@ -121,10 +121,11 @@ class Trainer:
         outputs = self.client.rollout(requests)
         totals = [r for o in outputs for r in o.rewards.total]
         out = {"eval_reward_mean": sum(totals) / len(totals)}
-        for name in outputs[0].rewards.by_scorer:
-            vals = [v for o in outputs for v in next(iter(o.rewards.by_scorer[name].scores
-                                                         .values())) if v is not None]
-            out[f"eval_{name}_mean"] = sum(vals) / max(len(vals), 1)
+        for name, so in outputs[0].rewards.by_scorer.items():
+            for key in so.scores:
+                vals = [v for o in outputs for v in o.rewards.by_scorer[name].scores[key]
+                        if v is not None]
+                out[f"eval_{name}/{key}_mean"] = sum(vals) / max(len(vals), 1)
         if self.cfg.gallery:
             gallery.record(self.run_dir, self.adapter, self.step, outputs)
         out["eval_s"] = time.perf_counter() - t0

@@ -36,7 +36,7 @@ class Batch:
     cond: TextCondition                # (B, L, D) trainer-side condition of each row
     trajectory: Trajectory | None      # rows concatenated; None for ODE rollouts
     versions: tuple[str, ...]          # B policy versions the rows were sampled with
-    scores: dict[str, list[float]]     # scorer name -> B primary scores (OK rows)
+    scores: dict[str, list[float]]     # '<scorer>/<score>' -> values of OK rows
     sampling: SamplingSpec             # of the first request (all share the settings)
 
     @property
@@ -80,8 +80,8 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
         groups.extend([out.request_id] * len(out.seeds))
         versions.extend([out.policy_version] * len(out.seeds))
         for name, so in out.rewards.by_scorer.items():
-            primary = next(iter(so.scores.values()))
-            scores.setdefault(name, []).extend(v for v in primary if v is not None)
+            for key, values in so.scores.items():
+                scores.setdefault(f"{name}/{key}", []).extend(v for v in values if v is not None)
     repeats = [len(o.seeds) for o in outputs]
     cond = repeat_rows(learner.encode(prompts), repeats)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
