@@ -24,10 +24,12 @@ class TextCondition:
     hidden: torch.Tensor
     mask: torch.Tensor
     pooled: torch.Tensor | None = None
+    token_ids: tuple[tuple[int, ...], ...] | None = None   # the ids the encoder saw, per prompt
 
     def index_select(self, rows: torch.Tensor) -> "TextCondition":
+        ids = None if self.token_ids is None else tuple(self.token_ids[i] for i in rows.tolist())
         return TextCondition(self.hidden[rows], self.mask[rows],
-                             None if self.pooled is None else self.pooled[rows])
+                             None if self.pooled is None else self.pooled[rows], ids)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class StageOutput:
     trajectory: Any = None                 # ObjectRef[Trajectory] or None
     previews: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # name -> data URLs
     metrics: Mapping[str, float] = field(default_factory=dict)
+    encoded_token_ids: tuple[int, ...] | None = None   # the ids the encoder stage saw
 
 
 @dataclass(frozen=True)

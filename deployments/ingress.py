@@ -117,7 +117,8 @@ class RolloutGraph:
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
-                           rewards=rewards, previews=previews, metrics=stage.metrics)
+                           rewards=rewards, previews=previews, metrics=stage.metrics,
+                           encoded_token_ids=stage.encoded_token_ids)
 
     def _decoded_plan(self, requested: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """Decoded names to produce, grouped by the latent they decode from; scorers' inputs

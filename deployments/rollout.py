@@ -64,7 +64,8 @@ class DiTRolloutServer:
         return StageOutput(request_id=out.request_id, artifacts=handles,
                            policy_version=out.policy_version, seeds=out.seeds,
                            stop_reason=out.stop_reason, trajectory=ray.put(out.trajectory),
-                           metrics=dict(out.metrics))
+                           metrics=dict(out.metrics),
+                           encoded_token_ids=cond.token_ids[0] if cond.token_ids else None)
 
     async def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
                         scale: float = 1.0) -> tuple[str, ...]:
