@@ -3,8 +3,9 @@
 Every image is a pure function of its `ImageSpec` (no global RNG), and every caption parses back to
 the spec's attributes, so a rule-based verifier can score a generated image against its prompt.
 Vocabulary (kept small so a tiny model can learn it): 3 shapes x 4 colours x 5 positions x 3
-backgrounds = 180 attribute combinations. `Split.EVAL` holds out 30 of them (every 6th combination
-in a fixed order) so evaluation prompts are unseen compositions; `Split.TRAIN` holds the other 150.
+backgrounds = 180 attribute combinations. `Split.EVAL` holds out 30 of them (the first 30 of a
+permutation seeded with `SPLIT_SEED`) so evaluation prompts are unseen compositions that still
+cover every value of every attribute; `Split.TRAIN` holds the other 150.
 
 Geometry, for size S (default 32): a shape of side `extent` (10 or 12 px at S=32) centred at its
 position's anchor (`POSITION_ANCHORS`, fractions of S) plus an integer `offset` jitter of at most
@@ -102,8 +103,12 @@ class ImageSpec:
 
 ALL_COMBINATIONS: tuple[tuple[Shape, Color, Position, Background], ...] = tuple(
     itertools.product(SHAPES, COLORS, POSITIONS, BACKGROUNDS))
+NUM_EVAL_COMBINATIONS = 30
+SPLIT_SEED = 20240611   # fixed: changing it changes which prompts are held out
+_SPLIT_ORDER = torch.randperm(len(ALL_COMBINATIONS),
+                              generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
 EVAL_COMBINATIONS: frozenset[tuple[Shape, Color, Position, Background]] = frozenset(
-    ALL_COMBINATIONS[i] for i in range(0, len(ALL_COMBINATIONS), 6))
+    ALL_COMBINATIONS[i] for i in _SPLIT_ORDER[:NUM_EVAL_COMBINATIONS])
 TRAIN_COMBINATIONS: tuple[tuple[Shape, Color, Position, Background], ...] = tuple(
     c for c in ALL_COMBINATIONS if c not in EVAL_COMBINATIONS)
 

@@ -32,6 +32,21 @@ def test_specs_are_seeded_and_splits_disjoint():
     assert not train & held_out and len(train | held_out) == len(ALL_COMBINATIONS) == 180
     assert {s.attributes for s in sample_specs(300, 1, Split.EVAL)} <= held_out
     assert {s.attributes for s in sample_specs(300, 1, Split.TRAIN)} <= train
+    assert len(held_out) == 30
+
+
+def test_held_out_split_covers_every_attribute_value():
+    # The held-out prompts are a seeded permutation, not a stride over the product order (a
+    # stride of 6 over 3 backgrounds gave every held-out prompt the same background).
+    held_out = split_combinations(Split.EVAL)
+    for k, values in enumerate((SHAPES, COLORS, POSITIONS, BACKGROUNDS)):
+        assert {c[k] for c in held_out} == set(values), values
+    # Train still sees every value too, and the split is a constant of the module.
+    train = split_combinations(Split.TRAIN)
+    for k, values in enumerate((SHAPES, COLORS, POSITIONS, BACKGROUNDS)):
+        assert {c[k] for c in train} == set(values), values
+    assert split_combinations(Split.EVAL) == held_out
+    assert list(held_out) == [c for c in ALL_COMBINATIONS if c in set(held_out)]
 
 
 def test_caption_round_trip_and_render():
