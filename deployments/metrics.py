@@ -34,29 +34,28 @@ class StageMetrics:
         self.samples_per_s = metrics.Gauge("omni_stage_samples_per_s",
                                            description="Samples/s of the last call.",
                                            tag_keys=("stage",))
-        for m in (self.requests, self.errors, self.latency, self.batch_size, self.queue_depth,
-                  self.samples, self.samples_per_s):
-            m.set_default_tags(tags)
+        self._tags = tags   # passed per call: Serve metrics own their default tags
         self._in_flight = 0
 
     @contextmanager
     def track(self, samples: int) -> Iterator[None]:
         """Time one call of `samples` rows; count its error type if it raises."""
-        self.requests.inc()
-        self.batch_size.observe(samples)
+        tags = self._tags
+        self.requests.inc(tags=tags)
+        self.batch_size.observe(samples, tags=tags)
         self._in_flight += 1
-        self.queue_depth.set(self._in_flight)
+        self.queue_depth.set(self._in_flight, tags=tags)
         start = time.perf_counter()
         try:
             yield
         except BaseException as exc:
-            self.errors.inc(tags={"error_type": type(exc).__name__})
+            self.errors.inc(tags={**tags, "error_type": type(exc).__name__})
             raise
         else:
             elapsed = time.perf_counter() - start
-            self.samples.inc(samples)
-            self.samples_per_s.set(samples / max(elapsed, 1e-9))
+            self.samples.inc(samples, tags=tags)
+            self.samples_per_s.set(samples / max(elapsed, 1e-9), tags=tags)
         finally:
-            self.latency.observe((time.perf_counter() - start) * 1000.0)
+            self.latency.observe((time.perf_counter() - start) * 1000.0, tags=tags)
             self._in_flight -= 1
-            self.queue_depth.set(self._in_flight)
+            self.queue_depth.set(self._in_flight, tags=tags)
