@@ -1,0 +1,156 @@
+"""TextEncoder stage: token ids in, TextCondition out; optionally tensor-parallel (ETP).
+
+etp == 1: the replica runs the adapter's text encoder in-process.
+etp  > 1: the replica owns a placement group (bundle 0 = the replica, bundles 1..etp = one shard
+          worker each, STRICT_PACK so loopback rendezvous is valid) and starts one `ShardWorker`
+          actor per bundle; the workers form a gloo (CPU) / nccl (GPU) group on 127.0.0.1 and
+          run the Megatron-split encoder (deployments/etp.py). The workers are owned by the
+          replica, so Ray ends them when the replica ends.
+
+Users state `etp`; `TextEncoderServer.deployment_options` derives the placement options from it.
+Token ids are encoded exactly as received (the adapter pads them; nothing re-tokenizes), and the
+returned TextCondition carries them in `token_ids` for the trainer's token check.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from adapters.base import DiffusionAdapter, TextCondition
+from adapters.registry import get_adapter
+from contract import ConfigError, InvalidRequestError, PromptBundle
+from deployments.etp import (ShardWorker, check_etp, encoder_num_heads, param_bytes)
+
+SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def load_text_encoder(adapter: DiffusionAdapter, weights_path: str | None) -> nn.Module:
+    """The adapter's text encoder, loaded the way the adapter loads its weights (`load` also
+    reads the adapter config, e.g. the padded text length); the other components are dropped."""
+    components = adapter.load(weights_path)
+    encoder = components.text_encoder.eval().requires_grad_(False)
+    del components
+    return encoder
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TextEncoderServer:
+    """Ray Serve deployment body (decorated by graph.build_encoder with options from config)."""
+
+    @classmethod
+    def deployment_options(cls, etp: int, num_cpus_per_shard: float, num_cpus: float = 0.25,
+                           num_gpus: float = 0.0, num_gpus_per_shard: float = 0.0
+                           ) -> dict[str, Any]:
+        """Serve options derived from `etp`: nothing extra at etp 1, else the placement group.
+
+        Bundle 0 holds the replica itself (its num_cpus / num_gpus), bundles 1..etp one shard
+        worker each. The head-count check happens in the replica, which knows the encoder.
+        """
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+            raise ConfigError("etp must be a positive integer", field="etp", expected=">= 1",
+                              actual=etp)
+        if num_cpus_per_shard <= 0:
+            raise ConfigError("each shard worker needs CPUs", field="num_cpus_per_shard",
+                              expected="> 0", actual=num_cpus_per_shard)
+        if etp == 1:
+            return {}
+
+        def bundle(cpus: float, gpus: float) -> dict[str, float]:
+            return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+        return {"placement_group_bundles": [bundle(num_cpus, num_gpus)] +
+                                           [bundle(num_cpus_per_shard, num_gpus_per_shard)] * etp,
+                "placement_group_strategy": "STRICT_PACK"}
+
+    def __init__(self, adapter: str, weights_path: str | None = None, etp: int = 1,
+                 device: str = "cpu"):
+        self.adapter = get_adapter(adapter)
+        self.etp = etp
+        self.device = torch.device(device)
+        self._lock = asyncio.Lock()
+        self.workers: list[Any] = []
+        self.worker_info: list[dict[str, int]] = []
+        if etp == 1:
+            self.encoder = load_text_encoder(self.adapter, weights_path).to(self.device)
+            check_etp(etp, encoder_num_heads(self.encoder))
+            return
+        self.encoder = None
+        self._heads_check(weights_path)
+        self._start_workers(adapter, weights_path, device)
+
+    def _heads_check(self, weights_path: str | None) -> None:
+        """etp must divide the encoder's head count: read it before any worker starts."""
+        encoder = load_text_encoder(self.adapter, weights_path)
+        check_etp(self.etp, encoder_num_heads(encoder))
+        del encoder
+
+    def _start_workers(self, adapter: str, weights_path: str | None, device: str) -> None:
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = get_current_placement_group() if ray.is_initialized() else None
+        bundles = None if pg is None else pg.bundle_specs
+        if bundles is None or len(bundles) != self.etp + 1:
+            raise ConfigError("etp > 1 needs the replica's placement group from "
+                              "TextEncoderServer.deployment_options(etp, ...)", field="etp",
+                              expected=f"{self.etp + 1} placement-group bundles",
+                              actual=None if bundles is None else len(bundles))
+        master = f"127.0.0.1:{_free_loopback_port()}"
+        remote_cls = ray.remote(ShardWorker)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=bundles[i + 1].get("CPU", 0), num_gpus=bundles[i + 1].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i + 1),
+                runtime_env={"env_vars": SHARD_ENV},
+            ).remote(adapter, weights_path, i, self.etp, master, device)
+            for i in range(self.etp)]
+        self.worker_info = ray.get([w.ready.remote() for w in self.workers])
+
+    # ---- requests ---------------------------------------------------------------------
+    async def encode(self, prompts: Sequence[PromptBundle]) -> TextCondition:
+        """Encode the prompts' token ids exactly as given; `token_ids` records them."""
+        prompts = self._check(prompts)
+        if self.etp == 1:
+            cond = self.adapter.encode(self.encoder, prompts)
+        else:
+            async with self._lock:      # one collective sequence at a time across the ranks
+                outs = await asyncio.gather(*(w.encode.remote(prompts) for w in self.workers))
+            cond = outs[0]
+        return dataclasses.replace(cond, token_ids=tuple(p.token_ids for p in prompts))
+
+    @staticmethod
+    def _check(prompts: Sequence[PromptBundle]) -> list[PromptBundle]:
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise InvalidRequestError("encode takes a non-empty list of PromptBundle",
+                                      field="prompts", actual=type(prompts).__name__)
+        for i, p in enumerate(prompts):
+            if not isinstance(p, PromptBundle):
+                raise InvalidRequestError("prompts must be PromptBundle", field=f"prompts[{i}]",
+                                          expected="PromptBundle", actual=type(p).__name__)
+        return list(prompts)
+
+    # ---- introspection (tests, dashboards) ---------------------------------------------
+    async def shard_param_bytes(self) -> list[dict[str, int]]:
+        """Per-rank parameter bytes (etp 1: the in-process encoder as rank 0)."""
+        if self.etp == 1:
+            own = param_bytes(self.encoder)
+            return [{"rank": 0, "sharded": own.sharded, "replicated": own.replicated,
+                     "total": own.total, "full_sharded": own.sharded, "full_total": own.total}]
+        return list(await asyncio.gather(*(w.param_bytes.remote() for w in self.workers)))
+
+    async def shard_workers(self) -> list[dict[str, Any]]:
+        """Replica pid plus each shard worker's rank, pid and actor id."""
+        return [{"rank": info["rank"], "pid": info["pid"], "actor_id": w._actor_id.hex(),
+                 "replica_pid": os.getpid()} for info, w in zip(self.worker_info, self.workers)]
