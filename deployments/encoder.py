@@ -24,10 +24,11 @@ from torch import nn
 
 from adapters.base import DiffusionAdapter, TextCondition
 from adapters.registry import get_adapter
-from contract import ConfigError, InvalidRequestError, PromptBundle
+from contract import (ConfigError, InvalidRequestError, PromptBundle, ReplicaFailedError,
+                      RolloutError)
 from deployments.etp import (ShardWorker, check_etp, encoder_num_heads, param_bytes)
 
-SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback (all bundles on one node)
 
 
 def load_text_encoder(adapter: DiffusionAdapter, weights_path: str | None) -> nn.Module:
@@ -37,6 +38,21 @@ def load_text_encoder(adapter: DiffusionAdapter, weights_path: str | None) -> nn
     encoder = components.text_encoder.eval().requires_grad_(False)
     del components
     return encoder
+
+
+def place_inputs_on(encoder: nn.Module, device: torch.device) -> nn.Module:
+    """Move the encoder's tensor inputs to `device` (the adapter pads ids on the CPU)."""
+    def hook(module, args, kwargs):
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v   # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+    if device.type != "cpu":
+        encoder.register_forward_pre_hook(hook, with_kwargs=True)
+    return encoder
+
+
+def to_cpu(cond: TextCondition) -> TextCondition:
+    return dataclasses.replace(cond, hidden=cond.hidden.cpu(), mask=cond.mask.cpu(),
+                               pooled=None if cond.pooled is None else cond.pooled.cpu())
 
 
 def _free_loopback_port() -> int:
@@ -80,8 +96,10 @@ class TextEncoderServer:
         self._lock = asyncio.Lock()
         self.workers: list[Any] = []
         self.worker_info: list[dict[str, int]] = []
+        self._failed: str | None = None
         if etp == 1:
-            self.encoder = load_text_encoder(self.adapter, weights_path).to(self.device)
+            self.encoder = place_inputs_on(
+                load_text_encoder(self.adapter, weights_path).to(self.device), self.device)
             check_etp(etp, encoder_num_heads(self.encoder))
             return
         self.encoder = None
@@ -123,12 +141,34 @@ class TextEncoderServer:
         """Encode the prompts' token ids exactly as given; `token_ids` records them."""
         prompts = self._check(prompts)
         if self.etp == 1:
-            cond = self.adapter.encode(self.encoder, prompts)
+            cond = to_cpu(self.adapter.encode(self.encoder, prompts))
         else:
-            async with self._lock:      # one collective sequence at a time across the ranks
-                outs = await asyncio.gather(*(w.encode.remote(prompts) for w in self.workers))
-            cond = outs[0]
+            cond = (await self._on_all_ranks("encode", prompts))[0]
         return dataclasses.replace(cond, token_ids=tuple(p.token_ids for p in prompts))
+
+    async def _on_all_ranks(self, method: str, *args) -> list[Any]:
+        """Call `method` on every shard worker; a dead worker fails the replica (typed)."""
+        from ray.exceptions import RayActorError, RayTaskError
+        async with self._lock:          # one collective sequence at a time across the ranks
+            try:
+                return list(await asyncio.gather(
+                    *(getattr(w, method).remote(*args) for w in self.workers)))
+            except RolloutError:        # typed input errors (all ranks raise before any collective)
+                raise
+            except (RayActorError, RayTaskError) as exc:   # a rank died or the group broke
+                self._failed = f"{type(exc).__name__}: {exc}"[:500]
+                raise ReplicaFailedError("an ETP shard worker died; this encoder replica is "
+                                         "being replaced", field="etp_shard_worker",
+                                         actual=type(exc).__name__) from None
+
+    async def check_health(self) -> None:
+        """Serve health check: every shard worker must answer; else Serve restarts the replica
+        (and with it the whole shard group)."""
+        if self._failed is not None:
+            raise ReplicaFailedError("an ETP shard worker died", field="etp_shard_worker",
+                                     actual=self._failed)
+        if self.workers:
+            await asyncio.wait_for(self._on_all_ranks("ready"), timeout=60)
 
     @staticmethod
     def _check(prompts: Sequence[PromptBundle]) -> list[PromptBundle]:
@@ -148,7 +188,7 @@ class TextEncoderServer:
             own = param_bytes(self.encoder)
             return [{"rank": 0, "sharded": own.sharded, "replicated": own.replicated,
                      "total": own.total, "full_sharded": own.sharded, "full_total": own.total}]
-        return list(await asyncio.gather(*(w.param_bytes.remote() for w in self.workers)))
+        return await self._on_all_ranks("param_bytes")
 
     async def shard_workers(self) -> list[dict[str, Any]]:
         """Replica pid plus each shard worker's rank, pid and actor id."""

@@ -131,10 +131,9 @@ class ShardWorker:
 
     def __init__(self, adapter: str, weights_path: str | None, rank: int, etp: int,
                  master: str, device: str):
-        from deployments.encoder import load_text_encoder
+        from deployments.encoder import load_text_encoder, place_inputs_on
         from adapters.registry import get_adapter
 
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         self.rank, self.etp = rank, etp
         self.device_type = torch.device(device).type
         backend = "nccl" if self.device_type == "cuda" else "gloo"
@@ -143,8 +142,8 @@ class ShardWorker:
         self.adapter = get_adapter(adapter)
         encoder = load_text_encoder(self.adapter, weights_path)
         self.full_bytes = param_bytes(encoder)
-        if self.device_type == "cuda":
-            encoder = encoder.to("cuda")     # Ray's CUDA_VISIBLE_DEVICES: this rank's GPU
+        if self.device_type == "cuda":       # Ray's CUDA_VISIBLE_DEVICES: this rank's GPU
+            encoder = place_inputs_on(encoder.to("cuda"), torch.device("cuda"))
         self.encoder = shard_encoder(encoder, etp, self.device_type)
 
     def ready(self) -> dict[str, int]:
@@ -158,12 +157,9 @@ class ShardWorker:
                 "full_total": self.full_bytes.total}
 
     def encode(self, prompts: Sequence[PromptBundle]):
+        from deployments.encoder import to_cpu
         cond = self.adapter.encode(self.encoder, prompts)
-        if self.rank != 0:
-            return None
-        return dataclasses.replace(
-            cond, hidden=cond.hidden.cpu(), mask=cond.mask.cpu(),
-            pooled=None if cond.pooled is None else cond.pooled.cpu())
+        return to_cpu(cond) if self.rank == 0 else None
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import pytest
 import torch
 
-from contract import ConfigError, InvalidRequestError
+from contract import (ConfigError, InvalidRequestError, LimitExceededError, PromptBundle,
+                      ReplicaFailedError)
 from deployments.encoder import TextEncoderServer, load_text_encoder
 from deployments.etp import check_etp, param_bytes, valid_etp_values
 
@@ -143,6 +145,16 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
         pids = [w["pid"] for w in workers]
         assert all(_pid_alive(p) for p in pids)
         assert all(w["replica_pid"] not in pids for w in workers)
+        # typed input errors cross the worker boundary unchanged
+        too_long = PromptBundle(token_ids=(101,) + (2000,) * 40 + (102,))
+        with pytest.raises(LimitExceededError) as e:
+            handle.encode.remote([too_long]).result(timeout_s=60)
+        assert e.value.field == "prompts[0].token_ids"
+        if etp == 2:     # a dead shard fails the request as retryable, never a partial answer
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(ReplicaFailedError) as e:
+                handle.encode.remote(prompts).result(timeout_s=120)
+            assert e.value.field == "etp_shard_worker" and e.value.retryable
     finally:
         serve.delete(app_name)
     deadline = time.monotonic() + 60
