@@ -118,9 +118,12 @@ class TinyT2VAAdapter(DiffusionAdapter):
         fc1_shards=2, fc1_shard_order=(1, 0))
 
     def __init__(self, config: TinyT2VAConfig | None = None):
-        self.config = config or TinyT2VAConfig()
-        self._text = TinyT2IAdapter(TinyT2IConfig(max_text_tokens=self.config.max_text_tokens,
-                                                  text_encoder=self.config.text_encoder))
+        self._set_config(config or TinyT2VAConfig())
+
+    def _set_config(self, config: TinyT2VAConfig) -> None:
+        self.config = config
+        self._text = TinyT2IAdapter(TinyT2IConfig(max_text_tokens=config.max_text_tokens,
+                                                  text_encoder=config.text_encoder))
 
     # ---- components -------------------------------------------------------------------
     def build(self, seed: int = 0) -> Components:
@@ -140,7 +143,7 @@ class TinyT2VAAdapter(DiffusionAdapter):
         if missing:
             raise ConfigError(f"{self.name} weights are incomplete", field="path",
                               expected=f"{ADAPTER_CONFIG}, " + ", ".join(parts), actual=missing)
-        self.__init__(TinyT2VAConfig.model_validate_json((root / ADAPTER_CONFIG).read_text()))
+        self._set_config(TinyT2VAConfig.model_validate_json((root / ADAPTER_CONFIG).read_text()))
         f32 = dict(torch_dtype=torch.float32)
         transformer = TinyAVTransformer.from_pretrained(root / "transformer", **f32)
         video_vae = AutoencoderKL.from_pretrained(root / "video_vae", **f32)

@@ -40,12 +40,12 @@ def clip_pool(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]
 def stft_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Multi-resolution STFT magnitude loss (Yamamoto et al. 2020, eq. 4-6). (B, 1, N) inputs."""
     total = pred.new_zeros(())
-    for n_fft in (256, 512, 1024):
+    for n_fft in (256, 512, 1024, 2048):
         win = torch.hann_window(n_fft)
         sp = torch.stft(pred[:, 0], n_fft, n_fft // 4, window=win, return_complex=True).abs()
         st = torch.stft(target[:, 0], n_fft, n_fft // 4, window=win, return_complex=True).abs()
         total = total + (sp - st).norm() / st.norm().clamp_min(1e-6)               # convergence
-        total = total + (torch.log(sp + 1e-5) - torch.log(st + 1e-5)).abs().mean()  # log-mag
+        total = total + 0.1 * (torch.log(sp + 1e-5) - torch.log(st + 1e-5)).abs().mean()  # log-mag
     return total
 
 
@@ -65,6 +65,8 @@ def train_video_vae(vae, video: torch.Tensor, steps: int, batch: int, lr: float,
         opt.step()
         losses.append(loss.item())
     vae.eval()
+    if steps == 0:
+        return losses
     with torch.no_grad():   # DiT space: (z - shift) * scale with unit variance
         z = torch.cat([vae.encode(frames[i:i + 256].float() / 127.5 - 1).latent_dist.mode()
                        for i in range(0, min(len(frames), 1024), 256)])
@@ -176,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--p-uncond", type=float, default=0.1)
     p.add_argument("--p-fl2va", type=float, default=0.3)
     p.add_argument("--warmup", type=int, default=100, help="DiT linear lr warmup steps")
+    p.add_argument("--init", default=None, help="start from these weights (stages with 0 steps "
+                   "keep them, e.g. --video-vae-steps 0 reuses a trained video VAE)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -185,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     adapter = TinyT2VAAdapter()
-    components = adapter.build(seed=args.seed)
+    components = adapter.build(seed=args.seed) if args.init is None else adapter.load(args.init)
+    if args.init is not None and args.dit_steps > 0 and (args.video_vae_steps or args.audio_vae_steps):
+        components.transformer = adapter.build(seed=args.seed).transformer  # new latents: fresh DiT
     video, audio, captions = clip_pool(args.clips, args.seed)
     timings, curves = {}, {}
     t0 = time.time()
@@ -193,13 +199,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                           args.video_vae_steps, args.vae_batch, args.vae_lr, gen)
     timings["video_vae_s"] = time.time() - t0
     t0 = time.time()
-    avae = components.decoders["audio_latent"]
+    avae = components.decoders["audio_latent"].requires_grad_(True)
+    components.decoders["video_latent"].requires_grad_(True)
     curves["audio_vae"] = train_audio_vae(avae, audio, args.audio_vae_steps,
                                           args.vae_batch, args.vae_lr, gen)
-    with torch.no_grad():
-        z = avae.encode(audio[:256]).latent_dist.mean
-    adapter.config = adapter.config.model_copy(update={"audio_latent_shift": float(z.mean()),
-                                                       "audio_latent_scale": float(1 / z.std())})
+    if args.audio_vae_steps > 0:
+        with torch.no_grad():
+            z = avae.encode(audio[:256]).latent_dist.mean
+        adapter.config = adapter.config.model_copy(update={"audio_latent_shift": float(z.mean()),
+                                                           "audio_latent_scale": float(1 / z.std())})
     timings["audio_vae_s"] = time.time() - t0
     t0 = time.time()
     curves["dit"] = train_dit(adapter, components, video, audio, captions, args.dit_steps,
@@ -211,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def window(v: list[float]) -> int:
         return max(3, len(v) // 20)
 
+    curves = {k: v for k, v in curves.items() if v}
     report = {"args": vars(args), "timings": timings,
               "first_loss": {k: float(np.mean(v[:window(v)])) for k, v in curves.items()},
               "final_loss": {k: float(np.mean(v[-window(v):])) for k, v in curves.items()}}
