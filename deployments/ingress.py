@@ -111,8 +111,8 @@ class RolloutGraph:
         previews: dict[str, tuple[str, ...]] = {}
         for response in responses.values():
             out: StageOutput = await self._await_small(response)
-            artifacts.update(out.artifacts)
-            previews.update(out.previews)
+            artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
+            previews.update({n: p for n, p in out.previews.items() if n in requested})
         rewards = await self._score(request, responses)
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,

@@ -95,7 +95,7 @@ def test_handle_rollout_returns_typed_outputs_fetched_from_object_store(graph, a
 def test_ingress_never_holds_tensor_bytes(graph, adapter):
     from deployments.ingress import tensor_bytes
     results: list[GraphResult] = graph.rollout.remote(
-        [make_request(adapter, "a blue square at the center on a white background")]).result()
+        [make_request(adapter, "a blue square in the center on a white background")]).result()
     assert tensor_bytes(results) == 0                 # handles only, refs not resolved
     stats = graph.stats.remote().result()
     assert stats["ingress_tensor_bytes"] == 0
@@ -141,6 +141,9 @@ def test_policy_version_from_store_is_loaded_and_stamped(graph, adapter):
     assert v1.trajectory.policy_version == "v1"
     assert not torch.allclose(base.artifacts["image_latent"].data,
                               v1.artifacts["image_latent"].data)
+    [latest] = client.rollout([make_request(adapter, "a red circle at the top left on a black "
+                                                     "background")])
+    assert latest.policy_version == "v1"               # no version named -> the latest published
     with pytest.raises(PolicyVersionError):
         client.rollout([make_request(adapter, "a red circle", policy_version="nope")])
 
@@ -148,7 +151,8 @@ def test_policy_version_from_store_is_loaded_and_stamped(graph, adapter):
 def test_http_rollout_json_and_previews(graph, ray_cluster):
     status, body = post(ray_cluster["http_port"], {
         "prompts": ["a red circle at the top left on a black background"],
-        "samples_per_prompt": 2, "seed": 7, "num_steps": 4, "include_media": True})
+        "samples_per_prompt": 2, "seed": 7, "num_steps": 4, "include_media": True,
+        "policy_version": "base"})
     assert status == 200, body
     [result] = body["results"]
     assert [s["seed"] for s in result["samples"]] == [7, 8]
@@ -188,7 +192,7 @@ def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, fiel
 def test_replicas_survive_bad_input(graph, ray_cluster):
     for _ in range(3):
         post(ray_cluster["http_port"], b"\xff\xfe garbage")
-    status, _ = post(ray_cluster["http_port"], {"prompts": ["a red circle at the center on a "
+    status, _ = post(ray_cluster["http_port"], {"prompts": ["a red circle in the center on a "
                                                             "black background"], "num_steps": 2})
     assert status == 200
 
