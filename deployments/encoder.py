@@ -55,6 +55,14 @@ def to_cpu(cond: TextCondition) -> TextCondition:
                                pooled=None if cond.pooled is None else cond.pooled.cpu())
 
 
+def _check_shard_gpus(device: str, gpus_per_shard: Sequence[float]) -> None:
+    """nccl needs one whole GPU per rank; CPU shards (gloo) need none."""
+    if torch.device(device).type == "cuda" and any(g < 1 for g in gpus_per_shard):
+        raise ConfigError("ETP on cuda needs one GPU per shard worker (nccl ranks cannot share "
+                          "a GPU)", field="num_gpus_per_shard", expected=1.0,
+                          actual=min(gpus_per_shard))
+
+
 def _free_loopback_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,8 +74,8 @@ class TextEncoderServer:
 
     @classmethod
     def deployment_options(cls, etp: int, num_cpus_per_shard: float, num_cpus: float = 0.25,
-                           num_gpus: float = 0.0, num_gpus_per_shard: float = 0.0
-                           ) -> dict[str, Any]:
+                           num_gpus: float = 0.0, num_gpus_per_shard: float = 0.0,
+                           device: str = "cpu") -> dict[str, Any]:
         """Serve options derived from `etp`: nothing extra at etp 1, else the placement group.
 
         Bundle 0 holds the replica itself (its num_cpus / num_gpus), bundles 1..etp one shard
@@ -81,6 +89,7 @@ class TextEncoderServer:
                               expected="> 0", actual=num_cpus_per_shard)
         if etp == 1:
             return {}
+        _check_shard_gpus(device, [num_gpus_per_shard] * etp)
 
         def bundle(cpus: float, gpus: float) -> dict[str, float]:
             return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
@@ -124,6 +133,7 @@ class TextEncoderServer:
                               "TextEncoderServer.deployment_options(etp, ...)", field="etp",
                               expected=f"{self.etp + 1} placement-group bundles",
                               actual=None if bundles is None else len(bundles))
+        _check_shard_gpus(device, [b.get("GPU", 0) for b in bundles[1:]])
         master = f"127.0.0.1:{_free_loopback_port()}"
         remote_cls = ray.remote(ShardWorker)
         self.workers = [

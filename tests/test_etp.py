@@ -71,6 +71,9 @@ def test_deployment_options_derive_placement():
                     "placement_group_strategy": "STRICT_PACK"}
     gpu = TextEncoderServer.deployment_options(2, 1.0, 0.25, num_gpus_per_shard=1.0)
     assert gpu["placement_group_bundles"][1:] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    with pytest.raises(ConfigError) as e:          # nccl ranks need a whole GPU each
+        TextEncoderServer.deployment_options(2, 1.0, device="cuda")
+    assert e.value.field == "num_gpus_per_shard"
 
 
 def _pid_alive(pid: int) -> bool:
