@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench serve clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer.demo
+
+# Serve the embedded graph on 127.0.0.1:8000 (Ray ports on loopback, dashboard on 127.0.0.1:8265).
+serve: $(STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled $(BIN)/serve run graph:app
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
