@@ -33,11 +33,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_t2i.yaml"
 
 def build_encoder(config: GraphConfig) -> Application:
     opts = config.encoder.deployment_options("TextEncoder")
-    opts.update(TextEncoderServer.deployment_options(config.encoder.etp,
-                                                     config.encoder.num_cpus_per_shard,
-                                                     config.encoder.num_cpus))
+    enc = config.encoder
+    opts.update(TextEncoderServer.deployment_options(
+        enc.etp, enc.num_cpus_per_shard, enc.num_cpus, enc.num_gpus, enc.num_gpus_per_shard,
+        enc.device))
     return serve.deployment(TextEncoderServer, **opts).bind(
-        config.adapter, config.weights_path, config.encoder.etp, config.rollout.device)
+        config.adapter, config.weights_path, enc.etp, enc.device)
 
 
 def build_rollout(config: GraphConfig) -> Application:

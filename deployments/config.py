@@ -67,6 +67,8 @@ class StageOptions(Model):
 class EncoderStage(StageOptions):
     etp: int = Field(1, ge=1, description="Encoder tensor-parallel degree (shard workers).")
     num_cpus_per_shard: float = Field(0.25, gt=0)
+    num_gpus_per_shard: float = Field(0.0, ge=0, description="1 per shard for nccl on GPU.")
+    device: str = Field("cpu", description="torch device of the encoder (and its shards).")
 
 
 class ScorerStage(Model):
