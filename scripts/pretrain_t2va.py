@@ -40,12 +40,12 @@ def clip_pool(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]
 def stft_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Multi-resolution STFT magnitude loss (Yamamoto et al. 2020, eq. 4-6). (B, 1, N) inputs."""
     total = pred.new_zeros(())
-    for n_fft in (256, 512, 1024, 2048):
+    for n_fft in (256, 512, 1024):
         win = torch.hann_window(n_fft)
         sp = torch.stft(pred[:, 0], n_fft, n_fft // 4, window=win, return_complex=True).abs()
         st = torch.stft(target[:, 0], n_fft, n_fft // 4, window=win, return_complex=True).abs()
         total = total + (sp - st).norm() / st.norm().clamp_min(1e-6)               # convergence
-        total = total + 0.1 * (torch.log(sp + 1e-5) - torch.log(st + 1e-5)).abs().mean()  # log-mag
+        total = total + (torch.log(sp + 1e-5) - torch.log(st + 1e-5)).abs().mean()  # log-mag
     return total
 
 
