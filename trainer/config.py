@@ -49,6 +49,17 @@ class SamplerSettings(Model):
     window: tuple[int, int] | None = Field(
         None, description="[start, end) SDE steps; None = all but the last step.")
     guidance_scale: float = Field(1.0, ge=0.0)
+    height: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
+    width: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
+    num_frames: int | None = Field(None, ge=1, description="None = the adapter's default.")
+
+    def media_shape(self, adapter_defaults: dict[str, int]) -> dict[str, int]:
+        """height / width / num_frames of every request: these settings over the adapter's."""
+        out = {k: v for k, v in adapter_defaults.items() if k in ("height", "width", "num_frames")}
+        for key in ("height", "width", "num_frames"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "SamplerSettings":

@@ -33,11 +33,6 @@ def latent_names(adapter: DiffusionAdapter) -> tuple[str, ...]:
                  if s.representation == Representation.LATENT)
 
 
-def sampling_defaults(adapter: DiffusionAdapter) -> dict[str, int]:
-    d = dict(adapter.sampling_defaults)
-    return {k: d[k] for k in ("height", "width", "num_frames") if k in d}
-
-
 def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
                   sampler: SamplerKind | None = None, num_steps: int | None = None
@@ -52,7 +47,7 @@ def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
             sde_window=settings.window if kind != SamplerKind.ODE else None,
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
-            **sampling_defaults(adapter))
+            **settings.media_shape(dict(adapter.sampling_defaults)))
         task = next(iter(adapter.tasks))
         out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
                                   requested_artifacts=None, policy_version=version))
