@@ -14,7 +14,9 @@ from typing import Sequence
 import ray
 from ray import serve
 
-from contract import GraphResult, RolloutOutput, RolloutRequest
+from ray.exceptions import ObjectLostError
+
+from contract import GraphResult, ReplicaFailedError, RolloutOutput, RolloutRequest
 
 
 def materialize(result: GraphResult) -> RolloutOutput:
@@ -23,7 +25,12 @@ def materialize(result: GraphResult) -> RolloutOutput:
     refs = [result.artifacts[n].ref for n in names]
     if result.trajectory is not None:
         refs.append(result.trajectory)
-    values = ray.get(refs)
+    try:
+        values = ray.get(refs)
+    except ObjectLostError as exc:     # the replica that produced them died since
+        raise ReplicaFailedError("the outputs were lost with the replica that produced them; "
+                                 "retry the request", field="artifacts",
+                                 actual=type(exc).__name__, request_id=result.request_id) from exc
     trajectory = values.pop() if result.trajectory is not None else None
     return RolloutOutput(request_id=result.request_id, artifacts=dict(zip(names, values)),
                          trajectory=trajectory, policy_version=result.policy_version,

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from pydantic import ValidationError
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
+from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -26,9 +27,24 @@ from contract import (GraphResult, InvalidRequestError, LimitExceededError, Prom
 from contract.http import HTTPRolloutRequest
 from deployments.config import GraphConfig
 from deployments.metrics import StageMetrics
-from rewards.combine import RewardCombiner, policy_failure
+from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
 
-_REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+# A stage replica died mid-call, or an object it owned (a rollout's latents) died with it.
+_REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, ObjectLostError)
+
+
+def replica_died(exc: BaseException) -> bool:
+    """True when `exc` means a replica (or an object it owned) is gone. Serve raises a
+    RayServeException caused by ActorDiedError when an upstream stage of a chained call died."""
+    return (isinstance(exc, _REPLICA_DIED)
+            or isinstance(exc, RayServeException) and isinstance(exc.__cause__, _REPLICA_DIED))
+
+
+def replica_failed(stage: str, exc: BaseException, request_id: str) -> ReplicaFailedError:
+    """The typed, retryable error for a request lost with a replica (or its objects)."""
+    return ReplicaFailedError(f"a {stage} replica died before the request was answered; "
+                              "retry the request", field=stage, actual=type(exc).__name__,
+                              request_id=request_id)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -100,17 +116,22 @@ class RolloutGraph:
         try:
             stage: StageOutput = await self._await_small(
                 self.rollout_stage.rollout.remote(request, cond, requested, negative))
-        except _REPLICA_DIED as exc:
-            raise ReplicaFailedError("the rollout replica died; retry the request",
-                                     field="rollout", actual=type(exc).__name__,
-                                     request_id=rid) from None
+        except Exception as exc:
+            if replica_died(exc):        # the rollout replica (or the encoder upstream) died
+                raise replica_failed("rollout", exc, rid) from exc
+            raise
         decoded_by_latent = self._decoded_plan(requested)
         responses = {latent: self.decoders[latent].decode.remote(stage, names, preview)
                      for latent, names in decoded_by_latent.items()}
         artifacts = {n: h for n, h in stage.artifacts.items() if n in requested}
         previews: dict[str, tuple[str, ...]] = {}
-        for response in responses.values():
-            out: StageOutput = await self._await_small(response)
+        for latent, response in responses.items():
+            try:
+                out: StageOutput = await self._await_small(response)
+            except Exception as exc:
+                if replica_died(exc):         # the decoder died, or the latent's owner did
+                    raise replica_failed(f"decoder.{latent}", exc, rid) from exc
+                raise
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
         rewards = await self._score(request, responses)
@@ -158,6 +179,9 @@ class RolloutGraph:
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
         outputs: dict[str, ScorerOutput] = {}
         for name, result in zip(calls, results):
+            required = self.scorer_specs[name].reward.policy == ScorerPolicy.REQUIRED
+            if required and isinstance(result, Exception) and replica_died(result):
+                raise replica_failed(f"scorer.{name}", result, request.request_id) from result
             if isinstance(result, BaseException):
                 reason = ("timed out" if isinstance(result, asyncio.TimeoutError)
                           else f"{type(result).__name__}: {result}")

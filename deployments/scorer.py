@@ -69,20 +69,40 @@ class ScorerServer:
         arts = await asyncio.gather(*(handles[n].ref for n in self.spec.inputs))
         request = ScoreRequest(artifacts=dict(zip(self.spec.inputs, arts)),
                                prompts=tuple(prompts), metadata=tuple(metadata))
-        return await self._score_batch(request)
+        result = await self._score_batch(request)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _score_batch(self, requests: list[ScoreRequest]) -> list[ScorerOutput]:
-        """Micro-batch: requests with the same media shapes are scored in one call."""
-        results: list[ScorerOutput | None] = [None] * len(requests)
+    async def _score_batch(self, requests: list[ScoreRequest]) -> list[ScorerOutput | Exception]:
+        """Micro-batch: requests with the same media shapes are scored in one call. A group that
+        raises is re-scored request by request, so one bad request fails only itself (its
+        exception is returned in its slot and raised by `score`)."""
+        results: list[ScorerOutput | Exception | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(_batch_key(r), []).append(i)
         for idx in groups.values():
             group = [requests[i] for i in idx]
-            rows = sum(len(r.prompts) for r in group)
-            with self.metrics.track(rows):
-                scored = await asyncio.to_thread(self.scorer.score, _concat(group))
-            for i, part in zip(idx, _split(scored, [len(r.prompts) for r in group])):
+            try:
+                scored = await self._score_rows(_concat(group))
+                parts: list[ScorerOutput | Exception] = _split(scored,
+                                                               [len(r.prompts) for r in group])
+            except Exception as exc:  # noqa: BLE001 -- returned to the failing caller
+                if len(group) == 1:
+                    parts = [exc]
+                else:
+                    parts = []
+                    for r in group:
+                        try:
+                            parts.append(await self._score_rows(r))
+                        except Exception as one:  # noqa: BLE001
+                            parts.append(one)
+            for i, part in zip(idx, parts):
                 results[i] = part
         return results
+
+    async def _score_rows(self, request: ScoreRequest) -> ScorerOutput:
+        with self.metrics.track(len(request.prompts)):
+            return await asyncio.to_thread(self.scorer.score, request)
