@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import torch
 
 from adapters.registry import get_adapter
-from contract import Algorithm, PromptBundle, RolloutOutput, RolloutRequest, SamplerKind
+from contract import (Algorithm, PromptBundle, ReplicaFailedError, RolloutOutput, RolloutRequest,
+                      SamplerKind)
 from deployments.client import RolloutClient
 from trainer import checks, gallery
 from trainer.algorithms import old_decay
@@ -30,6 +31,8 @@ from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, refresh_old
 from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
 from trainer.updates import UPDATES, build_batch
+
+ROLLOUT_RETRIES = 2   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Trainer:
         self.step = 0
         self.sampling_versions: list[str] = []
         self.dropped_stale_rows = 0
+        self.rollout_retries = 0
         self.progress = progress
         self.eval_prompts = self.adapter.tokenize(captions(cfg.prompts, cfg.eval.num_prompts,
                                                            cfg.eval.seed, held_out=True))
@@ -106,9 +110,23 @@ class Trainer:
         return Pending(k, prompts, requests, self.client.submit(requests), time.perf_counter())
 
     def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
+        """Outputs of a submitted batch; lost outputs (ReplicaFailedError) are resampled with
+        the same requests (same seeds and version) up to ROLLOUT_RETRIES times, counted."""
         t0 = time.perf_counter()
-        outputs = self.client.collect(pending.response)
-        return outputs, time.perf_counter() - t0
+        for attempt in range(ROLLOUT_RETRIES + 1):
+            try:
+                return self.client.collect(pending.response), time.perf_counter() - t0
+            except ReplicaFailedError:
+                if attempt == ROLLOUT_RETRIES:
+                    raise
+                self.rollout_retries += 1
+                pending.response = self.client.submit(pending.requests)
+        raise AssertionError("unreachable")
+
+    def rollout(self, requests: list[RolloutRequest]) -> list[RolloutOutput]:
+        """Synchronous rollout with the same retry rule as `collect`."""
+        return self.collect(Pending(self.step, [], requests, self.client.submit(requests),
+                                    time.perf_counter()))[0]
 
     def evaluate(self) -> dict[str, float]:
         """Held-out prompts, ODE, fixed seeds, the current adapter; graph-scored rewards."""
@@ -118,7 +136,7 @@ class Trainer:
                                  e.samples_per_prompt, seed=e.seed,
                                  version=self.current_version(), sampler=SamplerKind.ODE,
                                  num_steps=e.num_steps)
-        outputs = self.client.rollout(requests)
+        outputs = self.rollout(requests)
         totals = [r for o in outputs for r in o.rewards.total]
         out = {"eval_reward_mean": sum(totals) / len(totals)}
         for name, so in outputs[0].rewards.by_scorer.items():
@@ -152,7 +170,7 @@ class Trainer:
         for tag, ver in (("probe", version), ("base", "base")):
             reqs = make_requests(self.adapter, prompts, self.cfg.sampler, 2, seed=7, version=ver,
                                  sampler=SamplerKind.ODE, num_steps=num_steps)
-            outs[tag] = self.client.rollout(reqs)
+            outs[tag] = self.rollout(reqs)
         states = {tag: build_batch(self.learner, prompts, o, [r.sampling for r in reqs]).x0
                   for tag, o in outs.items()}
         seeds = [s for r in reqs for s in r.sampling.seeds]
@@ -199,6 +217,7 @@ class Trainer:
         metrics.update(UPDATES[self.cfg.algorithm](self.learner, batch, self.cfg, self.gen))
         metrics["rows"] = float(batch.rows)
         metrics["dropped_stale_rows"] = float(self.dropped_stale_rows)
+        metrics["rollout_retries"] = float(self.rollout_retries)
         return metrics
 
     def run(self) -> list[dict[str, float]]:
@@ -233,13 +252,13 @@ class Trainer:
                            sync_s=sync_s, step_s=now - t_last,
                            engine_run_s=_mean(o.metrics.get("run_time_s") for o in outputs))
             metrics["samples_per_s"] = metrics.get("rows", 0.0) / max(now - t_last, 1e-9)
-            t_last = now
             if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
                 metrics.update(self.evaluate())
             self.logger.log(self.step, metrics)
             self.history.append(metrics)
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 self.checkpoint()
+            t_last = time.perf_counter()   # step_s: rollout wait + train + sync (no eval/ckpt)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
