@@ -6,13 +6,19 @@ import torch
 
 from adapters.inference_form import ShardedLinear, modules_with_suffix
 from adapters.registry import ADAPTERS, get_adapter
-from adapters.sample import sample_latents
+from adapters.sample import sample_images, sample_latents
 from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IAdapter
-from contract import (ConfigError, InvalidRequestError, LimitExceededError, MediaArtifact,
-                      SamplingSpec, collect_artifacts)
-from synthetic.shapes import caption, sample_specs
+from contract import (ArtifactSpec, ConfigError, InvalidRequestError, Layout, LimitExceededError,
+                      MediaArtifact, Modality, Representation, SamplingSpec, collect_artifacts)
+from rewards.base import ScoreRequest
+from rewards.verifiers.image import ImageAttributeScorer
+from synthetic.shapes import Split, caption, sample_specs
 
 torch.set_num_threads(1)
+# How far above chance the shipped weights score on held-out prompts (see MODEL_CARD.md).
+# Shape is not in the list: on held-out compositions it is at chance (the VAE's reconstructions
+# reach only ~0.56 shape score; the card records it), so there it is RL's job.
+MARGIN = {"color": 0.3, "position": 0.3, "background": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +50,30 @@ def test_shipped_weights_produce_valid_artifacts(loaded):
     # seeded: the same seeds give the same latents
     again = sample_latents(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
     assert torch.equal(latents, again)
+
+
+def test_shipped_weights_follow_held_out_prompts(loaded):
+    # The shipped model is above chance on colour, position and background of unseen
+    # compositions (chance = the same images scored against a shuffled prompt) but not perfect
+    # (headroom for RL).
+    adapter, components = loaded
+    specs = sample_specs(24, 7, Split.EVAL)
+    prompts = [caption(s) for s in specs]
+    images = sample_images(adapter, components, prompts, list(range(24)), num_steps=12)
+    shuffled = prompts[5:] + prompts[:5]
+    assert sum(p != q for p, q in zip(prompts, shuffled)) >= 20
+    spec = ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
+                        source="image_latent")
+
+    def mean_scores(texts):
+        out = ImageAttributeScorer().score(ScoreRequest({"image": MediaArtifact(spec, images)},
+                                                        tuple(texts)))
+        return {k: sum(v) / len(v) for k, v in out.scores.items()}
+
+    matched, chance = mean_scores(prompts), mean_scores(shuffled)
+    for name in MARGIN:
+        assert matched[name] > chance[name] + MARGIN[name], (name, matched, chance)
+    assert matched["total"] < 0.98
 
 
 def test_encoder_sees_the_dataset_ids_unchanged(loaded):
