@@ -80,6 +80,13 @@ class DiTRolloutServer:
         await self._ensure(version)
         return self.engine.versions()
 
+    async def ensure_version_on_replica(self, version: str) -> tuple[int, tuple[str, ...]]:
+        """`ensure_version` plus this replica's pid, so a caller can tell when a version is
+        live on every replica (the sync benchmark)."""
+        import os
+        await self._ensure(version)
+        return os.getpid(), self.engine.versions()
+
     async def versions(self) -> tuple[str, ...]:
         return self.engine.versions()
 
