@@ -229,6 +229,11 @@ class TinyT2IAdapter(DiffusionAdapter):
         return TextCondition(hidden=hidden, mask=mask, pooled=pooled)
 
     # ---- sampler state ----------------------------------------------------------------
+    @property
+    def sampling_defaults(self) -> Mapping[str, int]:
+        size = self.config.image_size
+        return {"height": size, "width": size, "num_frames": 1}
+
     def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
         size = self.config.image_size
         for name in ("height", "width"):

@@ -188,6 +188,11 @@ class TinyT2VAAdapter(DiffusionAdapter):
     def audio_latent_shape(self) -> tuple[int, int]:
         return (self.config.audio_latent_channels, self.config.audio_length)
 
+    @property
+    def sampling_defaults(self) -> Mapping[str, int]:
+        c = self.config
+        return {"height": c.image_size, "width": c.image_size, "num_frames": c.num_frames}
+
     def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
         c = self.config
         for name, want in (("height", c.image_size), ("width", c.image_size),

@@ -8,21 +8,14 @@ from __future__ import annotations
 import asyncio
 from typing import Sequence
 
-import ray
 import torch
 
 from adapters.registry import get_adapter
-from contract import (ArtifactHandle, MediaArtifact, MissingArtifactError, Representation,
+from contract import (MediaArtifact, MissingArtifactError, Representation,
                       StageOutput, UndeclaredArtifactError, validate_artifact)
 from deployments.metrics import StageMetrics
+from deployments.objects import ObjectKeeper
 from deployments.previews import preview_urls
-
-
-def put_artifact(artifact: MediaArtifact) -> ArtifactHandle:
-    """Object-store an artifact; return the small handle the graph moves around."""
-    return ArtifactHandle(spec=artifact.spec, shape=tuple(artifact.data.shape),
-                          dtype=str(artifact.data.dtype).replace("torch.", ""),
-                          ref=ray.put(artifact), metadata=dict(artifact.metadata))
 
 
 class DecoderServer:
@@ -42,6 +35,7 @@ class DecoderServer:
         self.decoders = self.adapter.load(weights_path).decoders
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
+        self.objects = ObjectKeeper()
 
     async def decode(self, latents: StageOutput, names: Sequence[str],
                      preview: bool = False) -> StageOutput:
@@ -60,7 +54,7 @@ class DecoderServer:
         latent: MediaArtifact = await handle.ref
         with self.metrics.track(latent.batch_size):
             produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id)
-        handles = {a.name: put_artifact(a) for a in produced}
+        handles = {a.name: self.objects.put_artifact(a) for a in produced}
         previews = ({a.name: preview_urls(a, self.max_preview_pixels) for a in produced}
                     if preview else {})
         return StageOutput(request_id=latents.request_id, artifacts=handles,

@@ -10,13 +10,12 @@ import asyncio
 import dataclasses
 from typing import Mapping, Sequence
 
-import ray
 import torch
 
 from adapters.base import TextCondition
 from contract import PolicyVersionError, RolloutRequest, StageOutput
-from deployments.decoder import put_artifact
 from deployments.metrics import StageMetrics
+from deployments.objects import ObjectKeeper
 from deployments.policy_store import get_policy_store
 from rollout.config import RolloutConfig
 from rollout.strategy import DiffusionStrategy, build_strategy
@@ -33,6 +32,7 @@ class DiTRolloutServer:
         self.engine = strategy.engine
         self.store = get_policy_store(policy_store)
         self.metrics = StageMetrics("rollout")
+        self.objects = ObjectKeeper()
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def _ensure(self, version: str) -> str:
@@ -60,10 +60,10 @@ class DiTRolloutServer:
                                       requested_artifacts=tuple(requested))
         with self.metrics.track(request.sampling.samples_per_prompt):
             out = await self.strategy.generate(request, cond, negative)
-        handles = {name: put_artifact(a) for name, a in out.artifacts.items()}
+        handles = {name: self.objects.put_artifact(a) for name, a in out.artifacts.items()}
         return StageOutput(request_id=out.request_id, artifacts=handles,
                            policy_version=out.policy_version, seeds=out.seeds,
-                           stop_reason=out.stop_reason, trajectory=ray.put(out.trajectory),
+                           stop_reason=out.stop_reason, trajectory=self.objects.put(out.trajectory),
                            metrics=dict(out.metrics),
                            encoded_token_ids=cond.token_ids[0] if cond.token_ids else None)
 
