@@ -10,7 +10,8 @@ present, else the same architecture with seeded random weights; recorded as "wei
 
 and writes bench/results/rollout.json and bench/results/rollout.png.
 batching_speedup = concurrent / sequential samples/s; vs_diffusers_loop = concurrent / loop.
-Peak memory per mode: peak process RSS above the mode's starting RSS (sampled every 2 ms).
+Peak memory per mode: peak RSS above the post-load RSS (sampled every 2 ms) during one run of
+the mode, each mode in its own fresh process.
 Each mode is run `repeats` times after a warm-up; the median time is reported.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,17 +113,15 @@ def run_diffusers_loop(adapter, transformer, requests: list[EngineRequest]) -> N
                              sampling.noise_level, noise).prev_sample
 
 
-def measure(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds, peak RSS MiB above start) over `repeats` runs after one warm-up."""
+def measure(fn, repeats: int) -> float:
+    """Median seconds over `repeats` runs after one warm-up."""
     fn()
-    times, peaks = [], []
+    times = []
     for _ in range(repeats):
-        with PeakRSS() as mem:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        peaks.append(mem.mib)
-    return statistics.median(times), max(peaks)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -144,8 +145,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _mode_runner(mode: str, engine, adapter, components, requests):
+    return {"engine_concurrent": lambda: run_concurrent(engine, requests),
+            "engine_sequential": lambda: run_sequential(engine, requests),
+            "diffusers_loop": lambda: run_diffusers_loop(adapter, components.transformer,
+                                                         requests)}[mode]
+
+
+def memory_in_fresh_process(mode: str, args) -> float:
+    """Peak RSS (MiB) above the post-load RSS while `mode` runs once, in its own process, so no
+    mode inherits memory another one already grew."""
+    cmd = [sys.executable, "-m", "bench.rollout_bench", "--memory-mode", mode,
+           "--requests", str(args.requests), "--steps", str(args.steps),
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-mode", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
@@ -160,25 +179,31 @@ def main(argv: list[str] | None = None) -> dict:
         components, weights = adapter.build(seed=0), "random"
     requests = _requests(adapter, components, args.requests, args.steps)
     engine = EmbeddedEngine(adapter, components, EngineLimits(max_batch_rows=args.requests))
+    if args.memory_mode is not None:               # child process of memory_in_fresh_process
+        with PeakRSS() as mem:
+            _mode_runner(args.memory_mode, engine, adapter, components, requests)()
+        import asyncio
+        asyncio.run(engine.shutdown())
+        print(mem.mib)
+        return {}
     try:
-        timings = {
-            "engine_concurrent": measure(lambda: run_concurrent(engine, requests), args.repeats),
-            "engine_sequential": measure(lambda: run_sequential(engine, requests), args.repeats),
-            "diffusers_loop": measure(lambda: run_diffusers_loop(
-                adapter, components.transformer, requests), args.repeats),
-        }
+        timings = {mode: measure(_mode_runner(mode, engine, adapter, components, requests),
+                                 args.repeats)
+                   for mode in ("engine_concurrent", "engine_sequential", "diffusers_loop")}
     finally:
         import asyncio
         asyncio.run(engine.shutdown())
-    sps = {mode: args.requests / seconds for mode, (seconds, _) in timings.items()}
+    sps = {mode: args.requests / seconds for mode, seconds in timings.items()}
     result = {
         "bench": "rollout", "adapter": adapter.name, "weights": weights,
         "requests": args.requests, "rows_per_request": 1, "steps": args.steps,
         "sampler": SamplerKind.SDE.value, "torch_threads": args.threads,
         "repeats": args.repeats, "device": "cpu",
-        "seconds": {mode: s for mode, (s, _) in timings.items()},
+        "seconds": timings,
         "samples_per_s": sps,
-        "peak_rss_mib": {mode: m for mode, (_, m) in timings.items()},
+        "peak_rss_mib": {mode: memory_in_fresh_process(mode, args) for mode in timings},
+        "peak_rss_note": "peak RSS above the post-load RSS during one run of the mode, each "
+                         "mode in its own fresh process",
         "batching_speedup": sps["engine_concurrent"] / sps["engine_sequential"],
         "vs_diffusers_loop": sps["engine_concurrent"] / sps["diffusers_loop"],
         "goals": {"batching_speedup": 3.0, "vs_diffusers_loop": 1.5},

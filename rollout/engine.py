@@ -151,7 +151,11 @@ class EmbeddedEngine:
 
     # ---- loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
+        with torch.inference_mode():   # no autograd bookkeeping (version counters) on the hot path
+            self._run_loop()
+        self._shutdown_pending()
+
+    def _run_loop(self) -> None:
         while True:
             with self._cv:
                 while not self._stopped and (self._paused or not (self._intake or self._running)):
@@ -175,7 +179,6 @@ class EmbeddedEngine:
             for state in batch:
                 if state.done:
                     self._finish(state)
-        self._shutdown_pending()
 
     def _admit(self, request: EngineRequest, future: concurrent.futures.Future,
                enqueued: float) -> None:
