@@ -153,20 +153,30 @@ def _ok(name: str, scores: dict[str, list[float]], n: int) -> ScorerOutput:
                         status=(ScoreStatus.OK,) * n, reasons=(None,) * n)
 
 
-class AVSyncScorer:
+class _VideoAudioScorer:
+    """Shared set-up of the scorers that read one decoded video and one decoded audio."""
+
+    primary: str
+
+    def __init__(self, video: str = "video", audio: str = "audio", name: str | None = None):
+        self.name = name or self.primary
+        self.video_name, self.audio_name = video, audio
+        self.required_artifacts = (video, audio)
+
+    def _media(self, request: ScoreRequest):
+        video = require_decoded(request.artifacts, self.video_name, Modality.VIDEO, self.name)
+        audio = require_decoded(request.artifacts, self.audio_name, Modality.AUDIO, self.name)
+        _same_batch(self.name, video.batch_size, audio.batch_size)
+        return video, audio
+
+
+class AVSyncScorer(_VideoAudioScorer):
     """IoU of audio onset frames and visual bounce frames (+-1 frame), in [0, 1]."""
 
     primary = "av_sync"
 
-    def __init__(self, video: str = "video", audio: str = "audio", name: str = "av_sync"):
-        self.name = name
-        self.video_name, self.audio_name = video, audio
-        self.required_artifacts = (video, audio)
-
     def score(self, request: ScoreRequest) -> ScorerOutput:
-        video = require_decoded(request.artifacts, self.video_name, Modality.VIDEO, self.name)
-        audio = require_decoded(request.artifacts, self.audio_name, Modality.AUDIO, self.name)
-        _same_batch(self.name, video.batch_size, audio.batch_size)
+        video, audio = self._media(request)
         v, a = video.data.cpu().numpy(), audio.data.detach().cpu().float().numpy()
         out: dict[str, list[float]] = {"av_sync": [], "num_audio_onsets": [], "num_bounces": []}
         for i in range(video.batch_size):
@@ -178,21 +188,14 @@ class AVSyncScorer:
         return _ok(self.name, out, video.batch_size)
 
 
-class PitchColorScorer:
+class PitchColorScorer(_VideoAudioScorer):
     """Dominant pitch vs the caption's colour (pitch_caption) and vs the colour seen in the video
     (pitch_video); primary = the smaller of the two."""
 
     primary = "pitch_color"
 
-    def __init__(self, video: str = "video", audio: str = "audio", name: str = "pitch_color"):
-        self.name = name
-        self.video_name, self.audio_name = video, audio
-        self.required_artifacts = (video, audio)
-
     def score(self, request: ScoreRequest) -> ScorerOutput:
-        video = require_decoded(request.artifacts, self.video_name, Modality.VIDEO, self.name)
-        audio = require_decoded(request.artifacts, self.audio_name, Modality.AUDIO, self.name)
-        _same_batch(self.name, video.batch_size, audio.batch_size)
+        video, audio = self._media(request)
         if len(request.prompts) != video.batch_size:
             raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
                                       field=f"{self.name}.prompts", expected=video.batch_size,
