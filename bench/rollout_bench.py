@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads for every mode (default: all cores)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "rollout", "adapter": adapter.name, "weights": weights,
         "requests": args.requests, "rows_per_request": 1, "steps": args.steps,
         "sampler": SamplerKind.SDE.value, "torch_threads": args.threads,
-        "repeats": args.repeats, "device": "cpu",
+        "repeats": args.repeats, "device": "cpu", "cpu_count": os.cpu_count(),
+        "load_avg_1m_at_end": os.getloadavg()[0],
         "seconds": timings,
         "samples_per_s": sps,
         "peak_rss_mib": {mode: memory_in_fresh_process(mode, args) for mode in timings},
