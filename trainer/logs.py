@@ -12,10 +12,13 @@ from contract import ConfigError
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, fresh: bool = True):
+        """fresh: a new run starts metrics.jsonl empty; a resumed run appends to it."""
         from torch.utils.tensorboard import SummaryWriter
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        if fresh:
+            self.path.write_text("")
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -66,7 +66,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.publisher = PolicyPublisher(self.graph.policy_store,
                                          f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
-        self.logger = MetricsLogger(self.run_dir)
+        self.logger = MetricsLogger(self.run_dir, fresh=not cfg.resume)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.sampling_versions: list[str] = []
