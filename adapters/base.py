@@ -14,7 +14,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from contract import IOSpec, MediaRole, PromptBundle, SamplingSpec, Task, TimeConvention
+from contract import (InvalidRequestError, IOSpec, MediaRole, PromptBundle, RequestLimits,
+                      RolloutRequest, SamplingSpec, Task, TimeConvention, check_limits,
+                      normalize_media)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,28 @@ class DiffusionAdapter(ABC):
     schedule_shift: float = 1.0
     model_time_scale: float = 1000.0               # model time = scale * (sigma or 1 - sigma)
     sampling_defaults: Mapping[str, int] = {}      # e.g. {"height": 32, "width": 32, "num_frames": 1}
+
+    # ---- request checks (the ingress and the rollout strategy share these) --------------
+    def validate_request(self, request: RolloutRequest,
+                         limits: RequestLimits) -> dict[MediaRole, torch.Tensor]:
+        """Contract checks of `request` against this adapter (limits, task, exactly the task's
+        media roles, sizes it can generate); returns the canonical condition media."""
+        rid = request.request_id
+        check_limits(request, limits)
+        if request.task not in self.tasks:
+            raise InvalidRequestError(f"adapter {self.name} does not serve this task",
+                                      field="task", expected=[t.value for t in self.tasks],
+                                      actual=request.task.value, request_id=rid)
+        media = normalize_media(request.media, request.task, rid)
+        required = set(self.tasks[request.task])
+        missing, extra = required - set(media), set(media) - required
+        if missing or extra:
+            raise InvalidRequestError(f"task {request.task.value} takes exactly the media roles "
+                                      f"{sorted(r.value for r in required)}", field="media",
+                                      expected=sorted(r.value for r in required),
+                                      actual=sorted(r.value for r in media), request_id=rid)
+        self.state_shape(request.sampling)                   # adapter-specific size checks
+        return {role: item.data for role, item in media.items()}
 
     # ---- components -------------------------------------------------------------------
     @abstractmethod

@@ -20,10 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from adapters.registry import get_adapter
-from contract import (GraphResult, InvalidRequestError, LimitExceededError, PromptBundle,
-                      ReplicaFailedError,
-                      Representation, RewardReport, RolloutError, RolloutRequest, SamplingSpec, ScorerOutput,
-                      StageOutput, check_limits, check_requested_artifacts, normalize_media)
+from contract import (GraphResult, LimitExceededError, PromptBundle, ReplicaFailedError,
+                      Representation, RewardReport, RolloutError, RolloutRequest, SamplingSpec,
+                      ScorerOutput, StageOutput, check_requested_artifacts)
 from contract.http import HTTPRolloutRequest
 from deployments.config import GraphConfig
 from deployments.metrics import StageMetrics
@@ -94,18 +93,13 @@ class RolloutGraph:
         self.ingress_tensor_bytes += tensor_bytes(value)
         return value
 
-    def _validate(self, request: RolloutRequest) -> tuple[str, ...]:
-        check_limits(request, self.config.limits)
+    def _validate(self, request: RolloutRequest) -> tuple[tuple[str, ...], dict]:
+        """Fail fast, before any stage runs: (requested artifact names, condition media)."""
         requested = check_requested_artifacts(request, self.io_spec.names)
-        if request.task not in self.adapter.tasks:
-            raise InvalidRequestError("task not supported by this adapter", field="task",
-                                      expected=[t.value for t in self.adapter.tasks],
-                                      actual=request.task.value, request_id=request.request_id)
-        normalize_media(request.media, request.task, request.request_id)
-        return requested
+        return requested, self.adapter.validate_request(request, self.config.limits)
 
     async def _one(self, request: RolloutRequest, preview: bool) -> GraphResult:
-        requested = self._validate(request)
+        requested, media = self._validate(request)
         rid = request.request_id
         cond = self.encoder.encode.remote([request.prompt])
         negative = None
@@ -134,7 +128,7 @@ class RolloutGraph:
                 raise
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
-        rewards = await self._score(request, responses)
+        rewards = await self._score(request, responses, media)
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
@@ -154,15 +148,14 @@ class RolloutGraph:
                 plan.setdefault(spec.source, []).append(name)
         return {latent: tuple(names) for latent, names in plan.items()}
 
-    async def _score(self, request, responses) -> RewardReport | None:
+    async def _score(self, request, responses, media) -> RewardReport | None:
         """Call every scorer deployment (per request, so scoring overlaps other requests'
         rollouts) under its timeout; failures go through the required/optional policy."""
         if not self.scorers:
             return None
         n = request.sampling.samples_per_prompt
         prompts = (request.prompt.text or "",) * n
-        conditions = {role.value: item.data for role, item in
-                      normalize_media(request.media, request.task, request.request_id).items()}
+        conditions = {role.value: data for role, data in media.items()}
         metadata = tuple(dict(conditions, seed=seed) for seed in request.sampling.seeds)
         if self._primaries is None:
             names = list(self.scorers)

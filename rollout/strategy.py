@@ -12,8 +12,8 @@ import torch
 
 from adapters.base import Components, DiffusionAdapter, TextCondition
 from contract import (ConfigError, InvalidRequestError, MediaRole, Representation,
-                      RolloutOutput, RolloutRequest, TokenOutput, check_limits,
-                      check_requested_artifacts, normalize_media)
+                      RolloutOutput, RolloutRequest, TokenOutput,
+                      check_requested_artifacts)
 from rollout.ar import ARStrategy
 from rollout.config import EngineKind, RolloutConfig, StrategyKind
 from rollout.engine import EmbeddedEngine
@@ -76,22 +76,7 @@ class DiffusionStrategy:
 
     def validate(self, request: RolloutRequest) -> dict[MediaRole, torch.Tensor]:
         """Contract checks against this adapter; returns the canonical condition media."""
-        rid = request.request_id
-        check_limits(request, self.config.request_limits)
-        if request.task not in self.adapter.tasks:
-            raise InvalidRequestError(f"adapter {self.adapter.name} does not serve this task",
-                                      field="task", expected=[t.value for t in self.adapter.tasks],
-                                      actual=request.task.value, request_id=rid)
-        media = normalize_media(request.media, request.task, rid)
-        required = set(self.adapter.tasks[request.task])
-        missing, extra = required - set(media), set(media) - required
-        if missing or extra:
-            raise InvalidRequestError(f"task {request.task.value} takes exactly the media roles "
-                                      f"{sorted(r.value for r in required)}", field="media",
-                                      expected=sorted(r.value for r in required),
-                                      actual=sorted(r.value for r in media), request_id=rid)
-        self.adapter.state_shape(request.sampling)           # adapter-specific size checks
-        return {role: item.data for role, item in media.items()}
+        return self.adapter.validate_request(request, self.config.request_limits)
 
     def encode(self, request: RolloutRequest) -> tuple[TextCondition, TextCondition | None]:
         """The prompt (and unconditional prompt under CFG) through this replica's text encoder.
