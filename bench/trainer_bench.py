@@ -35,7 +35,10 @@ RESULTS = Path(__file__).parent / "results"
 APP_TRAIN, APP_SYNC = "bench_trainer", "bench_sync"
 RAY_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "RAY_DEDUP_LOGS": "0"}
+           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "RAY_DEDUP_LOGS": "0",
+           # pre-fault the object store's shared memory at start: a 64 MB put into never-touched
+           # pages measured ~190 ms here (page faults) vs ~27 ms pre-faulted (README, Sync)
+           "RAY_preallocate_plasma_memory": "1"}
 
 
 def graph_config(app: str, replicas: int) -> dict:
@@ -101,16 +104,18 @@ def serialize_s(tensors: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def publish_to_live_s(publisher, handle, pids: set[int], name: str, tensors, scale) -> float:
+def publish_to_live_s(publisher, handle, pids: set[int], name: str, tensors, scale):
     """(seconds from publishing `name` until both replicas report it resident, seconds of the
-    publish itself: ray.put + policy-store register)."""
+    publish itself: ray.put + policy-store register, {pid: that replica's load phases})."""
     t0 = time.perf_counter()
     version, publish_s = publisher.publish(name, 0, tensors, scale)
-    seen: set[int] = set()
-    while seen != pids:          # concurrent calls: the router spreads them over the replicas
+    seen: dict[int, dict[str, float]] = {}
+    while set(seen) != pids:     # concurrent calls: the router spreads them over the replicas
         calls = [handle.ensure_version_on_replica.remote(version) for _ in range(2 * len(pids))]
-        seen.update(pid for pid, versions in (c.result() for c in calls) if version in versions)
-    return time.perf_counter() - t0, publish_s
+        for pid, versions, phases in (c.result() for c in calls):
+            if version in versions and phases:
+                seen[pid] = phases
+    return time.perf_counter() - t0, publish_s, {**seen, "publisher": publisher.last_phases}
 
 
 def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
@@ -118,6 +123,7 @@ def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
     from ray import serve
 
     from deployments.config import load_graph_config
+    from deployments.policy_store import DEFAULT_KEEP
     from graph import build_app
     from trainer.sync import PolicyPublisher
     cfg = load_graph_config(graph_config(APP_SYNC, 2))
@@ -136,20 +142,31 @@ def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
         tensors, scale = lora_tensors(rank)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ser = [serialize_s(tensors) for _ in range(repeats)]
+        # steady state: the store keeps DEFAULT_KEEP versions, so from then on every publish
+        # reuses object-store memory a dropped version freed (a training run's case); the
+        # first publishes land in never-touched shared memory (page faults) -- reported apart
+        warmup = [publish_to_live_s(publisher, handle, pids, f"{label}-warm{i}", tensors, scale)
+                  for i in range(DEFAULT_KEEP + 1)]
         timed = [publish_to_live_s(publisher, handle, pids, f"{label}-{i}", tensors, scale)
                  for i in range(repeats)]
         live, published = [t[0] for t in timed], [t[1] for t in timed]
+        phases = {k: statistics.median(p[k] for t in timed for p in t[2].values() if k in p)
+                  for k in ("pack_s", "put_s", "register_s", "store_get_s", "fetch_s", "load_s")}
         out[label] = {"rank": rank, "tensors": len(tensors), "bytes": nbytes,
                       "mb": nbytes / 1e6, "serialize_s": ser, "publish_to_live_s": live,
                       "publish_only_s": published,
+                      "cold_publish_to_live_s": [t[0] for t in warmup[:3]],
                       "publish_only_s_median": statistics.median(published),
+                      "replica_phase_s_median": phases,
                       "serialize_s_median": statistics.median(ser),
                       "publish_to_live_s_median": statistics.median(live),
                       "lora_sync_ratio": statistics.median(live) / statistics.median(ser)}
         print(f"[sync] {label}: {nbytes / 1e6:.2f} MB rank {rank}: live "
               f"{out[label]['publish_to_live_s_median'] * 1e3:.1f} ms / serialise "
               f"{out[label]['serialize_s_median'] * 1e3:.1f} ms = "
-              f"x{out[label]['lora_sync_ratio']:.2f}", flush=True)
+              f"x{out[label]['lora_sync_ratio']:.2f} (publish "
+              f"{out[label]['publish_only_s_median'] * 1e3:.1f} ms, replica "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()) + ")", flush=True)
     serve.delete(APP_SYNC)
     return out
 
@@ -190,7 +207,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--pairs", type=int, default=2, help="serial/async run pairs")
     parser.add_argument("--big-rank", type=int, default=2048,
                         help="rank giving ~64 MB of fp32 tensors on tiny_t2i's targets")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=("all", "async", "sync"), default="all",
+                        help="run one half; the other half's figures are kept from the last "
+                             "trainer.json")
     args = parser.parse_args(argv)
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
@@ -205,20 +225,27 @@ def main(argv=None) -> dict:
              object_store_memory=1024 * 2**20, namespace="omni-bench")
     from trainer.demo import _free_port
     serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    previous = (json.loads((RESULTS / "trainer.json").read_text())
+                if args.only != "all" and (RESULTS / "trainer.json").is_file() else None)
+    if args.only != "all" and previous is None:
+        raise SystemExit(f"--only {args.only} keeps the other half from {RESULTS}/trainer.json, "
+                         "which does not exist; run without --only first")
+    tiny_rank = load_trainer_config("configs/train_tiny_t2i.yaml").lora.rank
     try:
-        serve.run(build_app(load_graph_config(graph_config(APP_TRAIN, 1))), name=APP_TRAIN,
-                  route_prefix=None)
-        runs = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for _ in range(args.pairs):
-                for mode in ("serial", "async"):
-                    runs.append(run_loop(Path(tmp), mode, args.steps))
-                    print(f"[async] {runs[-1]['mode']}: {runs[-1]['samples_per_s']:.2f} "
-                          f"samples/s", flush=True)
-        serve.delete(APP_TRAIN)
-        tiny_rank = load_trainer_config("configs/train_tiny_t2i.yaml").lora.rank
-        sync = sync_bench({f"tiny_rank{tiny_rank}": tiny_rank,
-                           f"rank{args.big_rank}_64MB": args.big_rank}, args.repeats)
+        runs = previous["async"]["runs"] if args.only == "sync" else []
+        if args.only != "sync":
+            serve.run(build_app(load_graph_config(graph_config(APP_TRAIN, 1))), name=APP_TRAIN,
+                      route_prefix=None)
+            with tempfile.TemporaryDirectory() as tmp:
+                for _ in range(args.pairs):
+                    for mode in ("serial", "async"):
+                        runs.append(run_loop(Path(tmp), mode, args.steps))
+                        print(f"[async] {runs[-1]['mode']}: {runs[-1]['samples_per_s']:.2f} "
+                              f"samples/s", flush=True)
+            serve.delete(APP_TRAIN)
+        sync = previous["sync"] if args.only == "async" else sync_bench(
+            {f"tiny_rank{tiny_rank}": tiny_rank, f"rank{args.big_rank}_64MB": args.big_rank},
+            args.repeats)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -233,7 +260,8 @@ def main(argv=None) -> dict:
         "lora_sync_ratio_tiny": sync[f"tiny_rank{tiny_rank}"]["lora_sync_ratio"],
         "tiny_lora_bytes": sync[f"tiny_rank{tiny_rank}"]["bytes"],
         "async": {"serial_samples_per_s": serial, "async_samples_per_s": pipelined,
-                  "steps_per_run": args.steps, "runs": runs},
+                  "steps_per_run": (previous["async"]["steps_per_run"] if args.only == "sync"
+                                    else args.steps), "runs": runs},
         "sync": sync,
         "what_is_measured": {
             "async_speedup": "DiffusionNFT loop on tiny_t2i (configs/train_tiny_t2i.yaml "

@@ -11,7 +11,7 @@ from contract.errors import (ConfigError, ConflictingInputError, DuplicateInputE
                              ReplicaFailedError, RequestCancelledError, RolloutError,
                              ScorerFailedError, StartupCheckError, UndeclaredArtifactError,
                              UnexpectedArtifactError)
-from contract.transport import ArtifactHandle, GraphResult, StageOutput
+from contract.transport import ArtifactHandle, GraphResult, PackedTensors, StageOutput
 from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, TokenOutput, Trajectory
 from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,
                               SamplingSpec, check_limits, check_requested_artifacts,

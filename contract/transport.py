@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
+
 from contract.artifacts import ArtifactSpec
 from contract.enums import StopReason
+from contract.errors import InvalidRequestError
 from contract.outputs import RewardReport
 
 
@@ -68,3 +71,58 @@ class GraphResult:
     previews: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
     encoded_token_ids: tuple[int, ...] | None = None   # the ids the encoder saw (token check)
+
+
+PACK_ALIGN = 64     # byte alignment of every tensor inside a PackedTensors buffer
+
+
+@dataclass(frozen=True)
+class PackedTensors:
+    """Named CPU tensors in one contiguous byte buffer (how a LoRA version travels).
+
+    One buffer is one object-store copy when published and one zero-copy fetch when loaded,
+    instead of a serialisation round per tensor; `unpack` returns views into the buffer.
+    entries: (name, dtype name, shape, byte offset) per tensor, offsets PACK_ALIGN-aligned.
+    """
+
+    buffer: torch.Tensor                                        # (N,) uint8
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
+
+    @classmethod
+    def pack(cls, tensors: Mapping[str, torch.Tensor]) -> "PackedTensors":
+        entries, offset = [], 0
+        for name, t in tensors.items():
+            if t.device.type != "cpu":
+                raise InvalidRequestError("only CPU tensors can be packed",
+                                          field=f"tensors[{name}].device", expected="cpu",
+                                          actual=str(t.device))
+            entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+        buffer = torch.empty(offset, dtype=torch.uint8)
+        for (name, _, _, start), t in zip(entries, tensors.values()):
+            buffer[start:start + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
+        return cls(buffer, tuple(entries))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """name -> view into `buffer` (no copy); bounds and dtypes checked."""
+        out = {}
+        for name, dtype_name, shape, start in self.entries:
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidRequestError("unknown dtype in packed tensors",
+                                          field=f"tensors[{name}].dtype", actual=dtype_name)
+            numel = 1
+            for d in shape:
+                numel *= d
+            stop = start + numel * dtype.itemsize
+            if start % PACK_ALIGN or stop > self.nbytes:
+                raise InvalidRequestError("packed tensor lies outside the buffer",
+                                          field=f"tensors[{name}]",
+                                          expected=f"aligned range within {self.nbytes} bytes",
+                                          actual=(start, stop))
+            out[name] = self.buffer[start:stop].view(dtype).view(shape)
+        return out

@@ -15,6 +15,7 @@ import ray
 from contract import PolicyVersionError
 
 NAMESPACE = "omni"
+DEFAULT_KEEP = 8         # versions the store holds (older ones are dropped, memory freed)
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,12 @@ class PublishedPolicy:
     version: str
     step: int
     scale: float                 # LoRA scale (alpha / r) the slots apply
-    tensors: list                # [ObjectRef[dict[str, Tensor]]] -- peft names, training side
+    tensors: list                # [ObjectRef[PackedTensors]] -- peft names, training side
 
 
 @ray.remote(num_cpus=0)
 class PolicyStore:
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = DEFAULT_KEEP):
         self._keep = keep
         self._policies: dict[str, PublishedPolicy] = {}
         self._order: list[str] = []

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -34,6 +36,7 @@ class DiTRolloutServer:
         self.metrics = StageMetrics("rollout")
         self.objects = ObjectKeeper()
         self._locks: dict[str, asyncio.Lock] = {}
+        self.load_seconds: dict[str, dict[str, float]] = {}   # version -> phase -> s
 
     async def _ensure(self, version: str) -> str:
         if version == BASE_VERSION or version in self.engine.versions():
@@ -41,9 +44,18 @@ class DiTRolloutServer:
         lock = self._locks.setdefault(version, asyncio.Lock())
         async with lock:
             if version not in self.engine.versions():
+                t0 = time.perf_counter()
                 policy = await self.store.get.remote(version)
-                tensors = await policy.tensors[0]
-                await asyncio.to_thread(self.engine.load_lora, version, tensors, policy.scale)
+                t1 = time.perf_counter()
+                tensors = (await policy.tensors[0]).unpack()    # views into one buffer
+                t2 = time.perf_counter()
+                # the fetched buffer belongs to this replica alone: keep views, no copy
+                await asyncio.to_thread(self.engine.load_lora, version, tensors, policy.scale,
+                                        False)
+                self.load_seconds[version] = {"store_get_s": t1 - t0, "fetch_s": t2 - t1,
+                                              "load_s": time.perf_counter() - t2}
+                while len(self.load_seconds) > 16:
+                    self.load_seconds.pop(next(iter(self.load_seconds)))
         return version
 
     async def _resolve(self, requested: str | None) -> str:
@@ -72,7 +84,7 @@ class DiTRolloutServer:
         if version == BASE_VERSION:
             raise PolicyVersionError("'base' is the model without LoRA", field="version",
                                      actual=version)
-        await asyncio.to_thread(self.engine.load_lora, version, tensors, scale)
+        await asyncio.to_thread(self.engine.load_lora, version, tensors, scale, False)
         return self.engine.versions()
 
     async def ensure_version(self, version: str) -> tuple[str, ...]:
@@ -80,16 +92,16 @@ class DiTRolloutServer:
         await self._ensure(version)
         return self.engine.versions()
 
-    async def ensure_version_on_replica(self, version: str) -> tuple[int, tuple[str, ...]]:
-        """`ensure_version` plus this replica's pid, so a caller can tell when a version is
-        live on every replica (the sync benchmark)."""
-        import os
+    async def ensure_version_on_replica(self, version: str
+                                        ) -> tuple[int, tuple[str, ...], dict[str, float]]:
+        """`ensure_version` plus this replica's pid and the seconds its load of `version` took
+        per phase (empty if it was already resident), so a caller can tell when a version is
+        live on every replica and where the time went (the sync benchmark)."""
         await self._ensure(version)
-        return os.getpid(), self.engine.versions()
+        return os.getpid(), self.engine.versions(), self.load_seconds.get(version, {})
 
     async def versions(self) -> tuple[str, ...]:
         return self.engine.versions()
 
     async def pid(self) -> int:
-        import os
         return os.getpid()

@@ -116,8 +116,8 @@ class EmbeddedEngine:
             return known
 
     def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
-                  scale: float = 1.0) -> None:
-        self.slots.load(version, tensors, scale, pinned=self._pinned())
+                  scale: float = 1.0, copy: bool = True) -> None:
+        self.slots.load(version, tensors, scale, pinned=self._pinned(), copy=copy)
 
     def unload_lora(self, version: str) -> None:
         self.slots.unload(version, pinned=self._pinned())

@@ -46,9 +46,10 @@ class DiffusionEngine(Protocol):
     def cancel(self, request_id: str) -> bool: ...
 
     def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
-                  scale: float = 1.0) -> None:
+                  scale: float = 1.0, copy: bool = True) -> None:
         """Load peft-format LoRA tensors (training-side names) as `version`. Typed error on a
-        zero-match / unknown-target / shape mismatch."""
+        zero-match / unknown-target / shape mismatch. copy=False: the caller hands the tensors
+        over (never writes them again), so the engine may keep views instead of copies."""
         ...
 
     def unload_lora(self, version: str) -> None: ...

@@ -88,9 +88,14 @@ def _resolve(lora_map: LoRATargetMap, module: str) -> list[tuple[str, int, int, 
 
 
 def map_lora_tensors(model: nn.Module, lora_map: LoRATargetMap,
-                     tensors: Mapping[str, torch.Tensor],
-                     scale: float) -> dict[str, list[LoRADelta]]:
-    """peft tensors -> {inference module name: [LoRADelta]}. Raises LoRAMapError on any mismatch."""
+                     tensors: Mapping[str, torch.Tensor], scale: float,
+                     copy: bool = True) -> dict[str, list[LoRADelta]]:
+    """peft tensors -> {inference module name: [LoRADelta]}. Raises LoRAMapError on any mismatch.
+
+    copy=False keeps views of `tensors` where dtype and device already match (the caller owns
+    them and never writes to them again, e.g. tensors fetched from the object store); the
+    default copies, so a trainer's in-place optimizer steps cannot reach a resident version.
+    """
     if not tensors:
         raise LoRAMapError("LoRA has no tensors (zero matched modules)", field="lora",
                            expected="lora_A/lora_B pairs", actual=0)
@@ -139,9 +144,10 @@ def map_lora_tensors(model: nn.Module, lora_map: LoRATargetMap,
                                                 f"{infer_name}", actual=tuple(b.shape))
                 rows, start, stop = b, logical * width, (logical + 1) * width
             param = target.weight
+            a_in = a.detach().to(param.device, param.dtype)
+            b_in = rows.detach().to(param.device, param.dtype)
             deltas.setdefault(infer_name, []).append(LoRADelta(
-                a.detach().to(param.device, param.dtype).clone(),
-                rows.detach().to(param.device, param.dtype).clone(),
+                a_in.clone() if copy else a_in, b_in.clone() if copy else b_in,
                 float(scale), start, stop, module))
     if not deltas:
         raise LoRAMapError("LoRA matched zero modules", field="lora", actual=sorted(pairs))
@@ -182,15 +188,16 @@ class LoRASlots:
                                      actual=version, request_id=request_id)
 
     def load(self, version: str, tensors: Mapping[str, torch.Tensor], scale: float = 1.0,
-             pinned: frozenset[str] = frozenset()) -> None:
-        """Map and store `tensors` as `version`; evicts the LRU unpinned version when full."""
+             pinned: frozenset[str] = frozenset(), copy: bool = True) -> None:
+        """Map and store `tensors` as `version`; evicts the LRU unpinned version when full.
+        copy: see map_lora_tensors."""
         if version == BASE_VERSION:
             raise PolicyVersionError("'base' is the model without LoRA and cannot be loaded",
                                      field="version", actual=version)
         if version in pinned:
             raise PolicyVersionError("version is in use by running requests; load it under a "
                                      "new name", field="version", actual=version)
-        deltas = map_lora_tensors(self.model, self.lora_map, tensors, scale)
+        deltas = map_lora_tensors(self.model, self.lora_map, tensors, scale, copy=copy)
         with self.lock:
             self._versions.pop(version, None)
             while len(self._versions) >= self.max_versions:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from contract import (ConfigError, GraphResult, MediaArtifact, PolicyVersionError,
+from contract import (ConfigError, GraphResult, MediaArtifact, PackedTensors, PolicyVersionError,
                       RolloutRequest, SamplingSpec, ScorerFailedError, ScoreStatus, Task,
                       UndeclaredArtifactError)
 from deployments.config import load_graph_config
@@ -130,7 +130,7 @@ def test_policy_version_from_store_is_loaded_and_stamped(graph, adapter):
     from tests.lora_utils import random_lora
     store = get_policy_store("graph_test_store")
     tensors, scale = random_lora(adapter, rank=4, seed=3)
-    ray.get(store.publish.remote("v1", 1, scale, [ray.put(tensors)]))
+    ray.get(store.publish.remote("v1", 1, scale, [ray.put(PackedTensors.pack(tensors))]))
     client = RolloutClient(graph)
     base, v1 = client.rollout([
         make_request(adapter, "a red circle at the top left on a black background",

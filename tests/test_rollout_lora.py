@@ -88,6 +88,31 @@ def test_slot_equals_peft_merge(toy):
     assert torch.allclose(_forward(infer, *inputs), base_out, atol=1e-5)
 
 
+@torch.no_grad()
+def test_copy_protects_a_resident_version_and_handover_keeps_views(toy):
+    """Default load copies (a trainer stepping its tensors in place cannot change a resident
+    version); copy=False (tensors handed over, e.g. fetched from the object store) keeps views
+    and produces the same output."""
+    train, infer, inputs = toy
+    tensors = _peft_lora(train, seed=6)[1]
+    owned = {k: v.clone() for k, v in tensors.items()}
+    slots = LoRASlots(infer, LORA_MAP, max_versions=2)
+    slots.load("copied", tensors, scale=2.0)
+    slots.load("handed", owned, scale=2.0, copy=False)
+    with slots.active("copied"):
+        out_copied = _forward(infer, *inputs)
+    with slots.active("handed"):
+        out_handed = _forward(infer, *inputs)
+    assert torch.equal(out_copied, out_handed)
+    storages = {t.untyped_storage().data_ptr() for t in owned.values()}
+    kept = [d for ds in slots._versions["handed"].values() for d in ds]
+    assert kept and all(d.a.untyped_storage().data_ptr() in storages for d in kept)
+    for value in tensors.values():          # the trainer's next in-place step
+        value.mul_(3.0)
+    with slots.active("copied"):
+        assert torch.equal(_forward(infer, *inputs), out_copied)
+
+
 def test_lru_eviction_and_pinning(toy):
     train, infer, _ = toy
     slots = LoRASlots(infer, LORA_MAP, max_versions=2)

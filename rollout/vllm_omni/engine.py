@@ -120,10 +120,11 @@ class VllmOmniEngine:
         return self._loras[version]
 
     def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
-                  scale: float = 1.0) -> None:
+                  scale: float = 1.0, copy: bool = True) -> None:
         """Validate peft-format tensors against the DiT, write them as a peft directory and
         register a LoRARequest with a NEW lora_int_id (ids are never reused, so the worker's
-        cache can never serve stale weights under an old id)."""
+        cache can never serve stale weights under an old id). `copy` has no effect here: the
+        tensors are always written out, never kept."""
         if version == BASE_VERSION:
             raise ConfigError("the base version cannot carry a LoRA", field="version",
                               actual=version)
