@@ -124,3 +124,36 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
         with pytest.raises(StartupCheckError) as e:
             trainer.startup_checks()
         assert e.value.field == "adapter.time_convention"
+
+
+def _rollout_replica_actor() -> tuple[str, str]:
+    import ray
+    [actor] = [(a["name"], a["namespace"])
+               for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(f"SERVE_REPLICA::{APP}#DiTRollout#")]
+    return actor
+
+
+def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
+    """The rollout replica dies with the trainer's batch in flight: the trainer resubmits the
+    same requests (ids, seeds, version), counts the retry and gets every output once."""
+    import time
+
+    import ray
+
+    from trainer.loop import Pending, Trainer
+    from trainer.prompts import make_requests
+    trainer = Trainer(trainer_config(tmp_path, Algorithm.NFT, "serial",
+                                     checks={"time_convention": False, "lora_map": False}))
+    requests = make_requests(trainer.adapter, trainer.eval_prompts[:2], trainer.cfg.sampler,
+                             group=8, seed=77, version=None, num_steps=20)
+    pending = Pending(0, [], requests, trainer.client.submit(requests), time.perf_counter())
+    time.sleep(1.0)                                  # the batch is queued / running
+    name, namespace = _rollout_replica_actor()
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    outputs, _ = trainer.collect(pending)
+    assert trainer.rollout_retries >= 1
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    assert [o.seeds for o in outputs] == [r.sampling.seeds for r in requests]
+    assert all(len(o.rewards.total) == 8 for o in outputs)
+    assert _rollout_replica_actor() != (name, namespace)                  # Serve replaced it

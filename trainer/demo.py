@@ -83,7 +83,8 @@ def summarize(run_dir: Path, window: int = 10) -> dict:
         return {"evaluations": len(evals)}
     first, last = sum(evals[:n]) / n, sum(evals[-n:]) / n
     return {"evaluations": len(evals), "window": n, "heldout_first_mean": first,
-            "heldout_last_mean": last, "heldout_gain": last - first, "target_gain": 0.15}
+            "heldout_last_mean": last, "heldout_gain": last - first, "target_gain": 0.15,
+            "heldout_at_start": evals[0], "heldout_at_end": evals[-1]}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -32,7 +32,8 @@ from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
 from trainer.updates import UPDATES, build_batch
 
-ROLLOUT_RETRIES = 2   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
+ROLLOUT_RETRIES = 3   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
+RETRY_BACKOFF_S = 2.0  # wait before resubmission k: k x this (Serve replaces a dead replica)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Trainer:
 
     def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
         """Outputs of a submitted batch; lost outputs (ReplicaFailedError) are resampled with
-        the same requests (same seeds and version) up to ROLLOUT_RETRIES times, counted."""
+        the same requests (same seeds and version) up to ROLLOUT_RETRIES times, with a growing
+        wait between attempts, counted in `rollout_retries`."""
         t0 = time.perf_counter()
         for attempt in range(ROLLOUT_RETRIES + 1):
             try:
@@ -120,6 +122,7 @@ class Trainer:
                 if attempt == ROLLOUT_RETRIES:
                     raise
                 self.rollout_retries += 1
+                time.sleep(RETRY_BACKOFF_S * (attempt + 1))
                 pending.response = self.client.submit(pending.requests)
         raise AssertionError("unreachable")
 
