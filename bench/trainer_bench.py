@@ -1,6 +1,6 @@
 """Trainer throughput and LoRA sync cost against a real local Ray graph serving tiny_t2i.
 
-    python -m bench.trainer_bench [--steps 8] [--big-rank 2048] [--repeats 3]
+    python -m bench.trainer_bench [--steps 8] [--big-rank 2048] [--repeats 5] [--only sync]
 -> bench/results/trainer.json + bench/results/trainer.png
 
 async_speedup: samples/s of the DiffusionNFT loop with the rollout of step k+1 in flight while
@@ -8,14 +8,18 @@ async_speedup: samples/s of the DiffusionNFT loop with the rollout of step k+1 i
     config, same steps; the first step of each run (warm-up) is left out; eval/checkpoints are
     outside step time (loop.py). Rollout runs in the DiTRollout replica's process, training in
     this one, so the overlap is real process-level concurrency on the machine's cores.
-lora_sync_ratio: time from publishing a LoRA version (ray.put + policy-store register) until it
-    is resident on BOTH rollout replicas (a second app with 2 fixed replicas; each replica loads
+lora_sync_ratio: time from publishing a LoRA version (as the trainer exports it: one packed
+    buffer; ray.put + policy-store register) until it is resident on BOTH rollout replicas (a second app with 2 fixed replicas; each replica loads
     a named version from the store on demand, confirmed by replica pid), over the time to
     serialise the same tensors once (safetensors to bytes). Measured for (a) the trainer's own
     tiny LoRA (rank of configs/train_tiny_t2i.yaml) and (b) ~64 MB of LoRA tensors on the SAME
     real target names at a rank chosen to reach that size (rank exceeds the tiny layers' width:
     the payload is the size of a rank-64 LoRA of a ~1B DiT; what is measured is transfer +
-    slot load of real-named tensors, not a 1B model's forward).
+    slot load of real-named tensors, not a 1B model's forward). Timed in steady state, after the
+    store's keep window of versions has been published once (the first publishes land in
+    never-touched shared memory; reported as cold_publish_to_live_s); the cluster runs with the
+    object store pre-faulted (RAY_preallocate_plasma_memory=1). Per-phase medians: the
+    publisher's pack / put / register, each replica's store lookup / fetch / slot load.
 """
 from __future__ import annotations
 
@@ -123,6 +127,7 @@ def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
     from ray import serve
 
     from deployments.config import load_graph_config
+    from contract import PackedTensors
     from deployments.policy_store import DEFAULT_KEEP
     from graph import build_app
     from trainer.sync import PolicyPublisher
@@ -142,12 +147,15 @@ def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
         tensors, scale = lora_tensors(rank)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         ser = [serialize_s(tensors) for _ in range(repeats)]
+        # the trainer exports straight into one buffer (Learner.export_packed: its one copy out
+        # of the live parameters), so publishing starts from the packed form
+        packed = PackedTensors.pack(tensors)
         # steady state: the store keeps DEFAULT_KEEP versions, so from then on every publish
         # reuses object-store memory a dropped version freed (a training run's case); the
         # first publishes land in never-touched shared memory (page faults) -- reported apart
-        warmup = [publish_to_live_s(publisher, handle, pids, f"{label}-warm{i}", tensors, scale)
+        warmup = [publish_to_live_s(publisher, handle, pids, f"{label}-warm{i}", packed, scale)
                   for i in range(DEFAULT_KEEP + 1)]
-        timed = [publish_to_live_s(publisher, handle, pids, f"{label}-{i}", tensors, scale)
+        timed = [publish_to_live_s(publisher, handle, pids, f"{label}-{i}", packed, scale)
                  for i in range(repeats)]
         live, published = [t[0] for t in timed], [t[1] for t in timed]
         phases = {k: statistics.median(p[k] for t in timed for p in t[2].values() if k in p)
@@ -267,7 +275,8 @@ def main(argv=None) -> dict:
             "async_speedup": "DiffusionNFT loop on tiny_t2i (configs/train_tiny_t2i.yaml "
                              "batch/sampler/LoRA), 1 DiTRollout replica; samples/s pooled over "
                              "runs, first step of each run excluded",
-            "lora_sync": "publish (ray.put + policy-store register) until the version is "
+            "lora_sync": "publish of the packed version (ray.put + policy-store register), "
+                         "steady state, object store pre-faulted, until the version is "
                          "resident on both of 2 DiTRollout replicas (on-demand load, pids "
                          "checked) / safetensors serialisation of the same tensors once. The "
                          "64 MB case uses tiny_t2i's real LoRA target names at a rank above "

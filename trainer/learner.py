@@ -13,12 +13,13 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from adapters.base import Components, DiffusionAdapter, TextCondition
-from contract import ConfigError, LoRAMapError, PromptBundle, Representation
+from contract import ConfigError, LoRAMapError, PackedTensors, PromptBundle, Representation
 from diffusion.conventions import predict_velocity
 from diffusion.guidance import cfg_velocity
 from trainer.config import OptimizerConfig
 from trainer.lora import (OLD_ADAPTER, TRAIN_ADAPTER, LoRATrainConfig, PolicyRole, attach_lora,
-                          export_lora, lora_layers, lora_scale, trainable_parameters, use_policy)
+                          export_lora, export_lora_packed, lora_layers, lora_scale,
+                          trainable_parameters, use_policy)
 
 
 def repeat_rows(cond: TextCondition, repeats: Sequence[int]) -> TextCondition:
@@ -110,6 +111,11 @@ class Learner:
     # ---- LoRA tensors -------------------------------------------------------------------------
     def export(self, adapter_name: str = TRAIN_ADAPTER) -> tuple[dict[str, torch.Tensor], float]:
         return export_lora(self.transformer, adapter_name), lora_scale(self.transformer, adapter_name)
+
+    def export_packed(self, adapter_name: str = TRAIN_ADAPTER) -> tuple[PackedTensors, float]:
+        """One copy of the adapter's weights into one buffer, ready to publish."""
+        return (export_lora_packed(self.transformer, adapter_name),
+                lora_scale(self.transformer, adapter_name))
 
     def load_adapter(self, adapter_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy peft-named tensors (as exported) into one adapter, every layer exactly once."""

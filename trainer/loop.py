@@ -86,8 +86,8 @@ class Trainer:
     def publish_sampling(self) -> tuple[str, float]:
         name = f"old-{self.step}" if self.samples_with_old else f"v{self.step}"
         version, seconds = self.publisher.publish(
-            name, self.step, *self.learner.export(OLD_ADAPTER if self.samples_with_old
-                                                  else TRAIN_ADAPTER))
+            name, self.step, *self.learner.export_packed(OLD_ADAPTER if self.samples_with_old
+                                                         else TRAIN_ADAPTER))
         self.sampling_versions.append(version)
         return version, seconds
 
@@ -97,7 +97,8 @@ class Trainer:
             return self.sampling_versions[-1]
         version = self.publisher.version(f"v{self.step}")
         if version not in self.publisher.tensors:
-            self.publisher.publish(f"v{self.step}", self.step, *self.learner.export(TRAIN_ADAPTER))
+            self.publisher.publish(f"v{self.step}", self.step,
+                                   *self.learner.export_packed(TRAIN_ADAPTER))
         return version
 
     # ---- rollouts ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch import nn
 
 from adapters.base import LoRATargetMap
 from adapters.inference_form import modules_with_suffix
-from contract import ConfigError, LoRAMapError
+from contract import ConfigError, LoRAMapError, PackedTensors
 from trainer.algorithms.nft import ema_update
 
 TRAIN_ADAPTER = "default"
@@ -171,8 +171,9 @@ def lora_scale(model: nn.Module, adapter_name: str = TRAIN_ADAPTER) -> float:
     return scales.pop()
 
 
-def export_lora(model: nn.Module, adapter_name: str = TRAIN_ADAPTER) -> dict[str, torch.Tensor]:
-    """peft-format tensors of one adapter with training-form names, detached CPU copies.
+def export_lora_packed(model: nn.Module, adapter_name: str = TRAIN_ADAPTER) -> PackedTensors:
+    """peft-format tensors of one adapter with training-form names, copied once into one
+    contiguous buffer (what the policy store publishes).
 
     Keys: `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r) for every LoRA
     layer; pair with `lora_scale(model, adapter_name)`.
@@ -180,15 +181,20 @@ def export_lora(model: nn.Module, adapter_name: str = TRAIN_ADAPTER) -> dict[str
     if adapter_name not in (TRAIN_ADAPTER, OLD_ADAPTER):
         raise ConfigError("unknown adapter", field="adapter_name",
                           expected=[TRAIN_ADAPTER, OLD_ADAPTER], actual=adapter_name)
-    tensors: dict[str, torch.Tensor] = {}
+    live: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model):
         if adapter_name not in layer.lora_A:
             raise LoRAMapError(f"adapter {adapter_name!r} is missing on {name}",
                                field="adapter_name", actual=adapter_name)
         for part in ("lora_A", "lora_B"):
-            weight = getattr(layer, part)[adapter_name].weight
-            tensors[f"{name}.{part}.weight"] = weight.detach().to("cpu", copy=True).contiguous()
-    if not tensors:
+            live[f"{name}.{part}.weight"] = getattr(layer, part)[adapter_name].weight.detach().cpu()
+    if not live:
         raise LoRAMapError("the model carries no LoRA layer", field="model",
                            expected="attach_lora first", actual=0)
-    return tensors
+    return PackedTensors.pack(live)
+
+
+def export_lora(model: nn.Module, adapter_name: str = TRAIN_ADAPTER) -> dict[str, torch.Tensor]:
+    """`export_lora_packed` as a dict (views into its buffer: detached CPU copies of the
+    weights, not aliases of the parameters)."""
+    return export_lora_packed(model, adapter_name).unpack()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Mapping
 
 import ray
 import torch
@@ -30,19 +31,20 @@ class PolicyPublisher:
     def version(self, name: str) -> str:
         return f"{self.run_tag}/{name}"
 
-    def publish(self, name: str, step: int, tensors: dict[str, torch.Tensor],
+    def publish(self, name: str, step: int, tensors: Mapping[str, torch.Tensor] | PackedTensors,
                 scale: float) -> tuple[str, float]:
         """Put + register one version; returns (version, seconds spent)."""
         t0 = time.perf_counter()
         version = self.version(name)
-        packed = PackedTensors.pack(tensors)            # one buffer: one copy, one fetch
+        packed = (tensors if isinstance(tensors, PackedTensors)    # one buffer: one fetch
+                  else PackedTensors.pack(tensors))
         t1 = time.perf_counter()
         ref = ray.put(packed)
         t2 = time.perf_counter()
         ray.get(self.store.publish.remote(version, step, scale, [ref]))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
-        self.tensors[version] = tensors
+        self.tensors[version] = packed.unpack() if tensors is packed else dict(tensors)
         self.steps[version] = step
         self._refs[version] = ref
         while len(self.tensors) > self.keep:
