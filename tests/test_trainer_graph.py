@@ -11,6 +11,7 @@ import torch
 from adapters.tiny_t2i import SHIPPED_WEIGHTS
 from contract import Algorithm, StartupCheckError, TimeConvention
 from trainer import checks
+from tests.serve_utils import replica_actors
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -127,10 +128,7 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
 
 
 def _rollout_replica_actor() -> tuple[str, str]:
-    import ray
-    [actor] = [(a["name"], a["namespace"])
-               for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith(f"SERVE_REPLICA::{APP}#DiTRollout#")]
+    [actor] = replica_actors(APP, "DiTRollout")
     return actor
 
 
@@ -157,3 +155,21 @@ def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
     assert [o.seeds for o in outputs] == [r.sampling.seeds for r in requests]
     assert all(len(o.rewards.total) == 8 for o in outputs)
     assert _rollout_replica_actor() != (name, namespace)                  # Serve replaced it
+
+
+def test_publisher_keeps_the_published_snapshot(ray_cluster):
+    """The trainer's copy of a version (used for log-prob parity) is what was published, not
+    the caller's tensors, which the optimizer goes on to change in place."""
+    import ray
+
+    from trainer.sync import PolicyPublisher
+    publisher = PolicyPublisher("publisher_test_store", "snap", keep=2)
+    tensors = {"m.lora_A.weight": torch.ones(2, 3), "m.lora_B.weight": torch.ones(4, 2)}
+    version, _ = publisher.publish("v1", 1, tensors, 1.0)
+    for value in tensors.values():
+        value.mul_(2.0)                                  # the next optimizer step
+    held = publisher.tensors_of(version)
+    assert all(torch.equal(held[k], torch.ones_like(v)) for k, v in tensors.items())
+    stored = ray.get(ray.get(publisher.store.get.remote(version)).tensors[0]).unpack()
+    assert all(torch.equal(stored[k], held[k]) for k in tensors)
+    assert set(publisher.last_phases) == {"pack_s", "put_s", "register_s"}

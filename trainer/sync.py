@@ -1,9 +1,9 @@
 """Publishing LoRA versions to the rollout graph through the policy store.
 
 Each version is packed into one contiguous buffer (contract.PackedTensors), `ray.put` once and
-registered under a run-unique name (`<run>/v3`, `<run>/old-2`,
-`<run>/probe`); rollout replicas fetch it on demand when a request names it. The trainer keeps
-the exported tensors of recent versions so it can recompute log-probs at version parity.
+registered under a run-unique name (`<run>/v3`, `<run>/old-2`, `<run>/probe`); rollout replicas
+fetch it on demand when a request names it. The trainer keeps views of the packed tensors of
+recent versions so it can recompute log-probs at version parity.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class PolicyPublisher:
         ray.get(self.store.publish.remote(version, step, scale, [ref]))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
-        self.tensors[version] = packed.unpack() if tensors is packed else dict(tensors)
+        self.tensors[version] = packed.unpack()     # the published snapshot, not the caller's
         self.steps[version] = step
         self._refs[version] = ref
         while len(self.tensors) > self.keep:
