@@ -22,9 +22,9 @@ import statistics
 import time
 from pathlib import Path
 
-for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                   "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
+from trainer.demo import RAY_ENV   # plain settings; importing it starts nothing
+
+for key, value in RAY_ENV.items():
     os.environ.setdefault(key, value)   # before Ray starts, so every worker inherits them
 
 import torch  # noqa: E402

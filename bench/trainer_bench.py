@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
+from trainer.demo import RAY_ENV as LOCAL_CLUSTER_ENV
+
 RESULTS = Path(__file__).parent / "results"
 APP_TRAIN, APP_SYNC = "bench_trainer", "bench_sync"
-RAY_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "RAY_DEDUP_LOGS": "0",
+RAY_ENV = {**LOCAL_CLUSTER_ENV,
            # pre-fault the object store's shared memory at start: a 64 MB put into never-touched
-           # pages measured ~190 ms here (page faults) vs ~27 ms pre-faulted (README, Sync)
+           # pages measured ~190 ms here (page faults) vs ~27 ms pre-faulted (README, Train)
            "RAY_preallocate_plasma_memory": "1"}
 
 
@@ -123,7 +123,6 @@ def publish_to_live_s(publisher, handle, pids: set[int], name: str, tensors, sca
 
 
 def sync_bench(ranks: dict[str, int], repeats: int) -> dict:
-    import ray
     from ray import serve
 
     from deployments.config import load_graph_config

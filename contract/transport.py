@@ -7,6 +7,7 @@ typed Any so the contract does not import Ray.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -115,10 +116,7 @@ class PackedTensors:
             if not isinstance(dtype, torch.dtype):
                 raise InvalidRequestError("unknown dtype in packed tensors",
                                           field=f"tensors[{name}].dtype", actual=dtype_name)
-            numel = 1
-            for d in shape:
-                numel *= d
-            stop = start + numel * dtype.itemsize
+            stop = start + math.prod(shape) * dtype.itemsize
             if start % PACK_ALIGN or stop > self.nbytes:
                 raise InvalidRequestError("packed tensor lies outside the buffer",
                                           field=f"tensors[{name}]",

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from contract import ReplicaFailedError, RolloutRequest, SamplingSpec, ScoreStatus, Task
+from tests.serve_utils import replica_actors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,9 +86,7 @@ def test_optional_scorer_failure_is_missing_and_reward_comes_from_the_others(fau
 
 
 def _rollout_replica_actors() -> list[tuple[str, str]]:
-    import ray
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"SERVE_REPLICA::{APP}#DiTRollout#")]
+    return replica_actors(APP, "DiTRollout")
 
 
 def _running_rollout_replicas() -> int:
