@@ -35,14 +35,18 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 @dataclass(frozen=True)
 class StepOutput:
     """prev_sample, mean: (B, *S) fp32; log_prob: (B,) fp32 or None for a deterministic step;
-    std: (B,) transition std (0 for a deterministic step); sqrt_dt: (B,) sqrt(sigma - sigma_next),
-    so std_dev_t = std / sqrt_dt for the SDE kinds (used by KL terms on the SDE mean)."""
+    std: (B,) transition std (0 for a deterministic step); sqrt_dt: (B,) sqrt(sigma - sigma_next);
+    std_dev_t: (B,) the kind's noise scale as the FlowGRPO reference defines it, the divisor of
+    the KL on the transition mean: std / sqrt_dt for the SDE kinds (the diffusion coefficient of
+    the SDE), the transition std itself for CPS (sigma_next sin(a pi/2), already a per-step std),
+    0 for a deterministic step."""
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor | None
     mean: torch.Tensor
     std: torch.Tensor
     sqrt_dt: torch.Tensor
+    std_dev_t: torch.Tensor
 
 
 def log_prob_of(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -96,8 +100,9 @@ def _prepare(x, v, sigma, sigma_next, noise_level, noise, prev_sample):
     return x.float(), v.float(), sigma.float(), sigma_next.float(), noise, prev_sample
 
 
-def _finish(mean: torch.Tensor, std: torch.Tensor, sqrt_dt: torch.Tensor, noise_level: float,
-            noise: torch.Tensor | None, prev_sample: torch.Tensor | None,
+def _finish(mean: torch.Tensor, std: torch.Tensor, sqrt_dt: torch.Tensor,
+            std_dev_t: torch.Tensor, noise_level: float, noise: torch.Tensor | None,
+            prev_sample: torch.Tensor | None,
             score: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
             ) -> StepOutput:
     """Draw (or take) the next sample of N(mean, std^2 I) and score it."""
@@ -106,13 +111,14 @@ def _finish(mean: torch.Tensor, std: torch.Tensor, sqrt_dt: torch.Tensor, noise_
         if prev_sample is not None:
             raise InvalidRequestError("a log-prob is undefined at noise_level 0", field="prev_sample",
                                       expected="None", actual="a tensor")
-        return StepOutput(mean, None, mean, torch.zeros_like(std), sqrt_dt)
+        zero = torch.zeros_like(std)
+        return StepOutput(mean, None, mean, zero, sqrt_dt, zero)
     if prev_sample is None:
         if noise is None:
             raise InvalidRequestError("a stochastic step needs noise (or prev_sample to score)",
                                       field="noise", expected="tensor (B, *S)", actual=None)
         prev_sample = mean + rows(std, mean.ndim) * noise
-    return StepOutput(prev_sample, score(prev_sample, mean, std), mean, std, sqrt_dt)
+    return StepOutput(prev_sample, score(prev_sample, mean, std), mean, std, sqrt_dt, std_dev_t)
 
 
 def _gaussian(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -146,7 +152,8 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     std_dev_t = noise_level * torch.sqrt(sigma / denom)                       # (B,)
     sqrt_dt = torch.sqrt(-dt)
     mean = _sde_mean(x, v, sigma, dt, std_dev_t)
-    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, noise_level, noise, prev_sample, _gaussian)
+    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, std_dev_t, noise_level, noise,
+                   prev_sample, _gaussian)
 
 
 def dance_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
@@ -161,7 +168,8 @@ def dance_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
     std_dev_t = torch.full_like(sigma, float(noise_level))
     sqrt_dt = torch.sqrt(-dt)
     mean = _sde_mean(x, v, sigma, dt, std_dev_t)
-    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, noise_level, noise, prev_sample, _gaussian)
+    return _finish(mean, std_dev_t * sqrt_dt, sqrt_dt, std_dev_t, noise_level, noise,
+                   prev_sample, _gaussian)
 
 
 def cps_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -181,7 +189,7 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     eps_hat = x + (1 - s) * v
     mean = (1 - sn) * x0_hat + torch.sqrt((sn ** 2 - st ** 2).clamp_min(0)) * eps_hat
     sqrt_dt = torch.sqrt(sigma - sigma_next)
-    return _finish(mean, std, sqrt_dt, noise_level, noise, prev_sample, _surrogate)
+    return _finish(mean, std, sqrt_dt, std, noise_level, noise, prev_sample, _surrogate)
 
 
 def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -195,7 +203,8 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     x, v, sigma, sigma_next, _, _ = _prepare(x, v, sigma, sigma_next, 0.0, None, None)
     dt = sigma_next - sigma
     mean = x + rows(dt, x.ndim) * v
-    return StepOutput(mean, None, mean, torch.zeros_like(sigma), torch.sqrt(-dt))
+    zero = torch.zeros_like(sigma)
+    return StepOutput(mean, None, mean, zero, torch.sqrt(-dt), zero)
 
 
 _STEPS: dict[SamplerKind, Callable[..., StepOutput]] = {

@@ -11,7 +11,7 @@ from contract import ConfigError, InvalidRequestError, SamplerKind, Trajectory
 from diffusion.samplers import sampler_step
 from diffusion.schedule import flow_match_sigmas
 from trainer.algorithms import (flow_grpo_loss, recompute_step, sde_mean_kl,
-                                trainable_step_indices, velocity_kl, window_step)
+                                trainable_step_indices, transition_kl, velocity_kl, window_step)
 
 
 def _numpy_ppo(log_prob, old, adv, clip, adv_max):
@@ -161,7 +161,7 @@ def test_recomputed_log_probs_on_a_sampled_trajectory_give_ratio_one():
     old = torch.stack([window_step(traj, j).old_log_prob for j in steps], 1)
     with torch.no_grad():
         ref_means = [recompute_step(traj, j, model(window_step(traj, j).x)).mean for j in steps]
-    kl = torch.stack([sde_mean_kl(r.mean, m, r.std / r.sqrt_dt)
+    kl = torch.stack([sde_mean_kl(r.mean, m, r.std_dev_t)
                       for r, m in zip(recomputed, ref_means)], 1)
     adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
     out = flow_grpo_loss(lp, old, adv, clip_range=1e-4, adv_clip_max=5.0, kl=kl, kl_beta=0.04)
@@ -170,3 +170,51 @@ def test_recomputed_log_probs_on_a_sampled_trajectory_give_ratio_one():
     assert math.isclose(float(out.loss.detach()), -float(adv.mean()), abs_tol=1e-6)
     out.loss.backward()
     assert float(model.weight.grad.abs().sum()) > 0             # the gradient reaches the model
+
+
+def _cps_mean_numpy(x, v, sigma, sigma_next, a):
+    # coefficients-preserving step written out (arXiv 2509.05952), float64
+    s = sigma_next * math.sin(a * math.pi / 2)
+    x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
+    return (1 - sigma_next) * x0_hat + math.sqrt(sigma_next ** 2 - s ** 2) * eps_hat, s
+
+
+@pytest.mark.parametrize("kind", [SamplerKind.CPS, SamplerKind.SDE, SamplerKind.DANCE_SDE])
+def test_transition_kl_against_the_gaussian_kl_on_the_sd3_table(kind):
+    """CPS: the KL is the exact KL of the two transition Gaussians N(mu, s^2 I) (torch's own
+    Normal KL on a mean written out in numpy). SDE kinds: the reference's form, the exact KL times
+    (sigma - sigma_next). The former divisor std / sqrt(dt) for CPS was short by (sigma - sigma_next)."""
+    from torch.distributions import Normal, kl_divergence
+    sigmas = flow_match_sigmas(10, shift=3.0).double()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 6, 6, generator=gen, dtype=torch.float64)
+    v_ref = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    v = v_ref + 0.1 * torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    a = 0.8 if kind is SamplerKind.CPS else 0.7
+    for j in range(9):                                   # every trainable step (not into 0)
+        sig, nxt = float(sigmas[j]), float(sigmas[j + 1])
+        rows = lambda t: torch.full((3,), t, dtype=torch.float32)
+        out = sampler_step(kind, x.float(), v.float(), rows(sig), rows(nxt), a, None,
+                           prev_sample=x.float())
+        ref = sampler_step(kind, x.float(), v_ref.float(), rows(sig), rows(nxt), a, None,
+                           prev_sample=x.float())
+        kl = transition_kl(out, ref).double()
+        if kind is SamplerKind.CPS:
+            mu, s = _cps_mean_numpy(x.numpy(), v.numpy(), sig, nxt, a)
+            mu_ref, _ = _cps_mean_numpy(x.numpy(), v_ref.numpy(), sig, nxt, a)
+            exact = kl_divergence(Normal(torch.tensor(mu), s),
+                                  Normal(torch.tensor(mu_ref), s)).flatten(1).mean(1)
+            torch.testing.assert_close(kl, exact, rtol=2e-4, atol=1e-9)
+            buggy = sde_mean_kl(out.mean, ref.mean, out.std / out.sqrt_dt).double()
+            torch.testing.assert_close(buggy / kl, torch.full((3,), sig - nxt,
+                                                              dtype=torch.float64), rtol=1e-4,
+                                       atol=0)
+        else:
+            s = out.std.double()[:, None, None, None]
+            exact = kl_divergence(Normal(out.mean.double(), s),
+                                  Normal(ref.mean.double(), s)).flatten(1).mean(1)
+            torch.testing.assert_close(kl, exact * (sig - nxt), rtol=2e-4, atol=1e-9)
+    with pytest.raises(InvalidRequestError, match="noise scales"):
+        other = sampler_step(kind, x.float(), v.float(), rows(sig), rows(nxt), a / 2, None,
+                             prev_sample=x.float())
+        transition_kl(out, other)

@@ -19,8 +19,8 @@ from contract import (Algorithm, InvalidRequestError, PromptBundle, RolloutOutpu
 from diffusion.schedule import flow_match_sigmas
 from trainer.algorithms import (best_worst_pairs, dpo_loss, dpo_pair_inputs, flow_grpo_loss,
                                 group_advantages, nft_loss, optimality_probability,
-                                recompute_step, sample_pair_sigmas, sde_mean_kl,
-                                trainable_step_indices, velocity_kl, KLTarget)
+                                recompute_step, sample_pair_sigmas, trainable_step_indices,
+                                transition_kl, velocity_kl, KLTarget)
 from trainer.config import TrainerConfig
 from trainer.learner import Learner, repeat_rows, state_from_latents
 from trainer.lora import PolicyRole
@@ -146,7 +146,7 @@ def grpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
                 kl = velocity_kl(v, v_ref)
             else:
                 ref = recompute_step(traj, j, v_ref)
-                kl = sde_mean_kl(out.mean, ref.mean, out.std / out.sqrt_dt)
+                kl = transition_kl(out, ref)
         loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], adv,
                               clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
                               kl_beta=c.kl_beta)

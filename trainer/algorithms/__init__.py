@@ -6,13 +6,14 @@ from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_i
                                     sample_pair_sigmas)
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
                                           recompute_step, sde_mean_kl, trainable_step_indices,
-                                          velocity_kl, window_step)
+                                          transition_kl, velocity_kl, window_step)
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, ema_update, nft_loss, old_decay)
 
 __all__ = [
     "Algorithm", "AdvantageMode", "PreferencePairs", "best_worst_pairs", "group_advantages",
     "group_index", "optimality_probability", "DPOLoss", "DPOPairInputs", "dpo_loss",
     "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "WindowStep",
-    "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices", "velocity_kl",
+    "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
+    "transition_kl", "velocity_kl",
     "window_step", "NFTLoss", "OldPolicySchedule", "ema_update", "nft_loss", "old_decay",
 ]

@@ -82,7 +82,7 @@ def recompute_step(trajectory: Trajectory, step: int, velocity: torch.Tensor) ->
     """Score the stored x_{j+1} under `velocity` at x_j: log p_theta(x_{j+1} | x_j).
 
     Same sampler kind and noise level as the rollout; velocity: (B, *S) in the project convention
-    (v = eps - x0), with graph. For the SDE-mean KL, std_dev_t = out.std / out.sqrt_dt.
+    (v = eps - x0), with graph. `transition_kl` compares two of these.
     """
     s = window_step(trajectory, step)
     rows = s.x.shape[0]
@@ -112,6 +112,26 @@ def sde_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor,
         raise InvalidRequestError("mean and ref_mean differ in shape", field="ref_mean",
                                   expected=tuple(mean.shape), actual=tuple(ref_mean.shape))
     return _elem_mean((mean - ref_mean) ** 2) / (2.0 * std ** 2)
+
+
+def transition_kl(step: StepOutput, ref_step: StepOutput) -> torch.Tensor:
+    """FlowGRPO's KL of one transition to the reference's, per sample: (B,).
+
+    KL_j = mean_elems((mu_theta - mu_ref)^2) / (2 std_dev_t^2), std_dev_t the sampler kind's own
+    noise scale (`StepOutput.std_dev_t`, as the reference's step function returns it):
+      SDE / DANCE_SDE: the diffusion coefficient, transition std / sqrt(sigma - sigma_next); the
+        result is the exact Gaussian KL times (sigma - sigma_next) (the reference dropped dt from
+        the denominator in Jul-2025 so later steps weigh more);
+      CPS: the transition std sigma_next sin(a pi/2) itself; the result is the exact Gaussian KL
+        of N(mu_theta, s^2 I) to N(mu_ref, s^2 I). Dividing it by sqrt(dt) as for the SDE kinds
+        would shrink the KL by the factor (sigma - sigma_next).
+    Both steps must come from the same kind at the same (x_j, sigma_j, sigma_{j+1}).
+    """
+    if not torch.equal(step.std_dev_t, ref_step.std_dev_t):
+        raise InvalidRequestError("policy and reference transitions have different noise scales",
+                                  field="ref_step.std_dev_t", expected=step.std_dev_t.tolist(),
+                                  actual=ref_step.std_dev_t.tolist())
+    return sde_mean_kl(step.mean, ref_step.mean, step.std_dev_t)
 
 
 def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:
