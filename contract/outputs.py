@@ -56,11 +56,16 @@ class ScorerOutput:
 
 @dataclass(frozen=True)
 class RewardReport:
-    """Per-scorer outputs and the weighted total per sample (weights renormalised per sample)."""
+    """Per-scorer outputs and the weighted total per sample (weights renormalised per sample).
+
+    values: scorer -> the per-sample value that entered the total (its chosen named score after
+    the configured normalisation), None where that scorer is MISSING for the sample.
+    """
 
     by_scorer: Mapping[str, ScorerOutput]
     total: tuple[float, ...]
     weights: Mapping[str, float]
+    values: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ def combine(outputs: Mapping[str, ScorerOutput], config: RewardConfig, *,
         w = sum(config.scorers[n].weight for n in present)
         total.append(sum(config.scorers[n].weight * values[n][i] for n in present) / w)
     return RewardReport(by_scorer=recorded, total=tuple(total),
-                        weights={n: e.weight for n, e in config.scorers.items()})
+                        weights={n: e.weight for n, e in config.scorers.items()},
+                        values={n: tuple(v) for n, v in values.items()})
 
 
 class RewardCombiner:

@@ -1,7 +1,9 @@
 """Pure, typed RL losses for flow-matching models: FlowGRPO, DiffusionNFT, Diffusion-DPO."""
 from contract.enums import Algorithm
-from trainer.algorithms.advantages import (AdvantageMode, PreferencePairs, best_worst_pairs,
-                                           group_advantages, group_index, optimality_probability)
+from trainer.algorithms.advantages import (AdvantageMode, PreferencePairs, StdScope,
+                                           best_worst_pairs, group_advantages, group_index,
+                                           optimality_probability, per_reward_advantages,
+                                           zero_advantage_groups)
 from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_inputs,
                                     sample_pair_sigmas)
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
@@ -10,8 +12,9 @@ from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, fl
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, ema_update, nft_loss, old_decay)
 
 __all__ = [
-    "Algorithm", "AdvantageMode", "PreferencePairs", "best_worst_pairs", "group_advantages",
-    "group_index", "optimality_probability", "DPOLoss", "DPOPairInputs", "dpo_loss",
+    "Algorithm", "AdvantageMode", "PreferencePairs", "StdScope", "best_worst_pairs",
+    "group_advantages", "group_index", "optimality_probability", "per_reward_advantages",
+    "zero_advantage_groups", "DPOLoss", "DPOPairInputs", "dpo_loss",
     "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
     "transition_kl", "velocity_kl",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -88,6 +88,84 @@ def group_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable], *,
     if adv_clip_max is not None:
         advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
     return advantages.float()
+
+
+class StdScope(str, Enum):
+    """Which rewards the advantage's std is taken over."""
+
+    GLOBAL = "global"   # every reward of the batch (FlowGRPO / DiffusionNFT SD3 recipes)
+    GROUP = "group"     # the prompt group's own rewards
+
+
+def per_reward_advantages(rewards: Mapping[str, torch.Tensor], weights: Mapping[str, float],
+                          group_ids: Sequence[Hashable], *, ddof: int = 0, eps: float = 1e-4
+                          ) -> torch.Tensor:
+    """GDPO-style multi-reward advantage (Liu et al. 2026, arXiv 2601.05242): each reward is
+    normalised within its prompt group first, the normalised rewards are combined, and the sum is
+    normalised over the batch:
+
+        A_k,i = (R_k,i - mean_{g(i)} R_k) / (std_{g(i)} R_k + eps)      per reward k
+        S_i   = sum_k w_k A_k,i / sum_k w_k        (k over the rewards present for sample i)
+        A_i   = (S_i - mean_B S) / (std_B S + eps)
+
+    so a reward's scale cannot swamp another's: each contributes in units of its own spread.
+    A missing reward (NaN: an optional scorer was MISSING) is left out of that sample's sum and
+    the weights renormalised, as in the total; its group statistics use the present samples.
+
+    Args:
+        rewards: scorer -> (B,) values (NaN where missing). weights: scorer -> weight > 0.
+        group_ids: B keys; equal keys form a group.
+    Returns:
+        (B,) float32 advantages.
+    """
+    if not rewards:
+        raise ConfigError("per-reward advantages need at least one reward", field="rewards",
+                          actual={})
+    missing = sorted(set(rewards) - set(weights))
+    if missing:
+        raise ConfigError("no weight for rewards", field="weights", expected=sorted(rewards),
+                          actual=sorted(weights))
+    if any(float(weights[k]) <= 0 for k in rewards):
+        raise ConfigError("reward weights must be > 0", field="weights", actual=dict(weights))
+    index, num_groups = group_index(group_ids)
+    num = torch.zeros(len(group_ids), dtype=torch.float64)
+    den = torch.zeros(len(group_ids), dtype=torch.float64)
+    for name, values in rewards.items():
+        if values.ndim != 1 or values.shape[0] != len(group_ids):
+            raise InvalidRequestError("one value per sample for every reward",
+                                      field=f"rewards.{name}", expected=(len(group_ids),),
+                                      actual=tuple(values.shape))
+        if torch.isinf(values).any():
+            raise NonFiniteError("reward holds Inf", field=f"rewards.{name}")
+        present = ~torch.isnan(values)
+        if not present.any():
+            continue
+        sub = group_advantages(values[present], [g for g, p in zip(group_ids, present) if p],
+                               global_std=False, ddof=ddof, eps=eps).double()
+        adv = torch.zeros(len(group_ids), dtype=torch.float64)
+        adv[present] = sub
+        w = float(weights[name])
+        num += w * adv
+        den += w * present.double()
+    if (den == 0).any():
+        rows = torch.nonzero(den == 0).flatten().tolist()
+        raise InvalidRequestError("samples without any reward present", field="rewards",
+                                  actual=rows)
+    combined = num / den                                                     # (B,)
+    if combined.shape[0] <= ddof:
+        return torch.zeros_like(combined).float()
+    return ((combined - combined.mean()) / (combined.std(correction=ddof) + eps)).float()
+
+
+def zero_advantage_groups(advantages: torch.Tensor, group_ids: Sequence[Hashable]
+                          ) -> torch.Tensor:
+    """(B,) bool: True for the rows of groups whose advantages are all exactly zero (every reward
+    of the group equal, or a group too small for its std). They carry no policy gradient and only
+    dilute the batch; FlowGRPO drops them before the update."""
+    index, num_groups = group_index(group_ids)
+    nonzero = torch.zeros(num_groups, dtype=torch.long).index_add_(
+        0, index, (advantages != 0).long())
+    return nonzero[index] == 0
 
 
 def optimality_probability(advantages: torch.Tensor, adv_clip_max: float,
