@@ -4,7 +4,8 @@ from contract.artifacts import (ArtifactSpec, IOSpec, MediaArtifact, collect_art
 from contract.enums import (DECODED_LAYOUT, Algorithm, Layout, MediaRole, Modality,
                             Representation, SamplerKind, ScoreStatus, StopReason, Task,
                             TimeConvention)
-from contract.errors import (ConfigError, ConflictingInputError, DuplicateInputError,
+from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
+                             DuplicateInputError,
                              InvalidRequestError, LimitExceededError, LoRAMapError,
                              MediaFormatError, MissingArtifactError, NonFiniteError,
                              OutputContractError, PolicyVersionError, QueueFullError,

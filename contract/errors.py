@@ -141,6 +141,11 @@ class ConfigError(RolloutError):
     """A configuration value is invalid (raised at build time)."""
 
 
+class DatasetError(ConfigError):
+    """A prompt file that is missing, holds no prompts, or has a record that does not parse or
+    names condition media that do not load; `field` is `<file>:<line>` (parquet: the row)."""
+
+
 class StartupCheckError(RolloutError):
     """A trainer start-up check failed (time convention, LoRA map, token ids)."""
     http_status = 500

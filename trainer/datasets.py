@@ -1,0 +1,310 @@
+"""Prompt files in the formats users train from, and a seeded, resumable epoch order over them.
+
+    records = load_prompt_file("prompts/train.jsonl")            # list[PromptRecord]
+    data = PromptDataset(records, seed=0)
+    batch = data.take(4)                                         # next 4 in this epoch's order
+    state = data.state(); data.load_state(state)                 # saved with checkpoints
+
+Formats (DatasetFormat; AUTO picks by suffix):
+  .txt      one prompt a line; blank lines are not prompts (flow_grpo's pickscore / ocr files).
+  .jsonl    one JSON object a line: "prompt" (required), "negative_prompt", "metadata" (object,
+            handed to the scorers, e.g. {"ocr_text": "OPEN"}), condition media paths "image",
+            "first_frame", "last_frame", "reference" (images) and "video" (relative paths are
+            relative to the file). Other keys are refused.
+  .parquet  the same fields as columns ("metadata" a struct/map column or a JSON string).
+  geneval   GenEval's metadata jsonl (`{"tag", "include": [{"class", "count"}], "prompt", ...}`):
+            the whole record is the prompt's metadata, as the GenEval scorer reads it. AUTO
+            chooses it for a .jsonl whose first record has "tag" and "include".
+Every bad input is a DatasetError naming `<file>:<line>`: a missing file, a file without prompts,
+a line that is not JSON or has no prompt, a condition path that does not open as an image/video.
+Media are checked (opened, headers verified) at load; their pixels are read per request.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from contract import DatasetError, MediaInput, MediaRole, Modality
+
+
+class DatasetFormat(str, Enum):
+    AUTO = "auto"
+    TXT = "txt"
+    JSONL = "jsonl"
+    PARQUET = "parquet"
+    GENEVAL = "geneval"
+
+
+# jsonl / parquet key -> (modality, role) of a condition media path
+MEDIA_KEYS: dict[str, tuple[Modality, MediaRole]] = {
+    "image": (Modality.IMAGE, MediaRole.IMAGE),
+    "first_frame": (Modality.IMAGE, MediaRole.FIRST_FRAME),
+    "last_frame": (Modality.IMAGE, MediaRole.LAST_FRAME),
+    "reference": (Modality.IMAGE, MediaRole.REFERENCE),
+    "video": (Modality.VIDEO, MediaRole.REFERENCE),
+}
+RECORD_KEYS = ("prompt", "negative_prompt", "metadata", *MEDIA_KEYS)
+_SUFFIX = {".txt": DatasetFormat.TXT, ".jsonl": DatasetFormat.JSONL,
+           ".parquet": DatasetFormat.PARQUET}
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt of a file. source: `<file>:<line>` (parquet: the 1-based row)."""
+
+    text: str
+    source: str
+    negative: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    media: Mapping[str, Path] = field(default_factory=dict)     # MEDIA_KEYS key -> path
+
+    def media_inputs(self) -> tuple[MediaInput, ...] | None:
+        """The condition media, decoded (uint8 CHW images, TCHW video); None without media."""
+        if not self.media:
+            return None
+        out = []
+        for key, path in self.media.items():
+            modality, role = MEDIA_KEYS[key]
+            data = (_read_image(path, self.source) if modality is Modality.IMAGE
+                    else _read_video(path, self.source))
+            out.append(MediaInput(modality, role, data))
+        return tuple(out)
+
+
+# ---- media ------------------------------------------------------------------------------------
+def _check_image(path: Path, source: str) -> None:
+    from PIL import Image
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file
+        raise DatasetError(f"condition image does not load ({type(exc).__name__}: {exc})",
+                           field=source, expected="a readable image file",
+                           actual=str(path)) from None
+
+
+def _read_image(path: Path, source: str) -> torch.Tensor:
+    from PIL import Image
+    try:
+        with Image.open(path) as img:
+            array = np.asarray(img.convert("RGB"))
+    except Exception as exc:  # noqa: BLE001
+        raise DatasetError(f"condition image does not load ({type(exc).__name__}: {exc})",
+                           field=source, actual=str(path)) from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()       # (3, H, W) uint8
+
+
+def _check_video(path: Path, source: str) -> None:
+    import av
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError("no video stream")
+            next(container.decode(video=0))               # the first frame decodes
+    except Exception as exc:  # noqa: BLE001 - PyAV raises its own error tree
+        raise DatasetError(f"condition video does not load ({type(exc).__name__}: {exc})",
+                           field=source, expected="a readable video file",
+                           actual=str(path)) from None
+
+
+def _read_video(path: Path, source: str) -> torch.Tensor:
+    import av
+    try:
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    except Exception as exc:  # noqa: BLE001
+        raise DatasetError(f"condition video does not load ({type(exc).__name__}: {exc})",
+                           field=source, actual=str(path)) from None
+    if not frames:
+        raise DatasetError("condition video has no frames", field=source, actual=str(path))
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()  # (T, 3, H, W)
+
+
+# ---- records ----------------------------------------------------------------------------------
+def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> PromptRecord:
+    if not isinstance(raw, Mapping):
+        raise DatasetError("a record must be a JSON object", field=source, expected="object",
+                           actual=type(raw).__name__)
+    prompt = raw.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError("record has no prompt", field=source,
+                           expected='"prompt": a non-empty string', actual=prompt)
+    if geneval:
+        include = raw.get("include")
+        if not isinstance(raw.get("tag"), str) or not isinstance(include, list) or not all(
+                isinstance(o, Mapping) and isinstance(o.get("class"), str) for o in include):
+            raise DatasetError("GenEval record needs 'tag' and 'include': [{'class', 'count'}]",
+                               field=source, expected="GenEval metadata", actual=dict(raw))
+        return PromptRecord(prompt.strip(), source, metadata=dict(raw))
+    unknown = sorted(set(raw) - set(RECORD_KEYS))
+    if unknown:
+        raise DatasetError(f"unknown keys {unknown} (put extra fields under 'metadata'; GenEval "
+                           "files take format 'geneval')", field=source,
+                           expected=list(RECORD_KEYS), actual=unknown)
+    negative = raw.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise DatasetError("negative_prompt must be a string", field=source, actual=negative)
+    metadata = raw.get("metadata") or {}
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            raise DatasetError("metadata string is not JSON", field=source,
+                               actual=metadata) from None
+    if not isinstance(metadata, Mapping):
+        raise DatasetError("metadata must be an object", field=source,
+                           actual=type(metadata).__name__)
+    media = {}
+    for key, (modality, _) in MEDIA_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise DatasetError(f"'{key}' must be a path string", field=source, actual=value)
+        path = Path(value) if Path(value).is_absolute() else base / value
+        (_check_image if modality is Modality.IMAGE else _check_video)(path, source)
+        media[key] = path
+    return PromptRecord(prompt.strip(), source, negative, dict(metadata), media)
+
+
+def _jsonl_rows(path: Path) -> list[tuple[int, Any]]:
+    rows = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((line_no, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"line is not JSON ({exc.msg})", field=f"{path}:{line_no}",
+                               actual=line[:80]) from None
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors vary by failure
+        raise DatasetError(f"not a readable parquet file ({type(exc).__name__})",
+                           field=str(path), actual=str(exc)[:200]) from None
+    unknown = sorted(set(table.column_names) - set(RECORD_KEYS))
+    if unknown or "prompt" not in table.column_names:
+        raise DatasetError("parquet columns must include 'prompt' and only known fields",
+                           field=str(path), expected=list(RECORD_KEYS),
+                           actual=table.column_names)
+    rows = []
+    for i, row in enumerate(table.to_pylist(), start=1):
+        clean = {k: v for k, v in row.items() if v is not None}
+        if isinstance(clean.get("metadata"), list):      # a map column arrives as pairs
+            clean["metadata"] = dict(clean["metadata"])
+        rows.append((i, clean))
+    return rows
+
+
+def resolve_format(path: Path, fmt: DatasetFormat) -> DatasetFormat:
+    fmt = DatasetFormat(fmt)
+    if fmt is not DatasetFormat.AUTO:
+        return fmt
+    found = _SUFFIX.get(path.suffix.lower())
+    if found is None:
+        raise DatasetError("cannot tell the prompt file's format from its suffix",
+                           field=str(path), expected=sorted(_SUFFIX), actual=path.suffix)
+    if found is DatasetFormat.JSONL:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    first = json.loads(line)
+                except json.JSONDecodeError:
+                    break               # reported with its line by the JSONL reader
+                if isinstance(first, Mapping) and "tag" in first and "include" in first:
+                    return DatasetFormat.GENEVAL
+                break
+    return found
+
+
+def load_prompt_file(path: str | Path, fmt: DatasetFormat = DatasetFormat.AUTO
+                     ) -> list[PromptRecord]:
+    """All prompts of one file, in file order (see the module docstring for the formats)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError("prompt file not found", field=str(path), expected="an existing file",
+                           actual=str(path))
+    fmt = resolve_format(path, fmt)
+    base = path.parent
+    if fmt is DatasetFormat.TXT:
+        records = [PromptRecord(line.strip(), f"{path}:{n}")
+                   for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                   if line.strip()]
+    else:
+        rows = _parquet_rows(path) if fmt is DatasetFormat.PARQUET else _jsonl_rows(path)
+        records = [_record(raw, f"{path}:{n}", base, fmt is DatasetFormat.GENEVAL)
+                   for n, raw in rows]
+    if not records:
+        raise DatasetError("prompt file holds no prompts", field=str(path),
+                           expected=">= 1 prompt", actual=0)
+    return records
+
+
+# ---- epoch order ----------------------------------------------------------------------------
+class PromptDataset:
+    """Records in a seeded order that is reshuffled every epoch; the position is resumable.
+
+    Epoch e visits every record once, in `order(e)` (a permutation seeded by (seed, e); file
+    order when shuffle is off). `take(n)` continues across epoch boundaries.
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], seed: int = 0, shuffle: bool = True):
+        if not records:
+            raise DatasetError("a dataset needs at least one prompt", field="records", actual=0)
+        self.records = list(records)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self.order(0)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.records), generator=gen).tolist()
+
+    def take(self, n: int) -> list[tuple[int, PromptRecord]]:
+        """The next n (index, record) pairs of the epoch order."""
+        out = []
+        for _ in range(n):
+            if self.position == len(self.records):
+                self.epoch += 1
+                self.position = 0
+                self._order = self.order(self.epoch)
+            index = self._order[self.position]
+            out.append((index, self.records[index]))
+            self.position += 1
+        return out
+
+    @property
+    def progress(self) -> float:
+        """Epochs completed, fractional (epoch + position / len)."""
+        return self.epoch + self.position / len(self.records)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "size": len(self.records),
+                "seed": self.seed, "shuffle": int(self.shuffle)}
+
+    def load_state(self, state: Mapping[str, int]) -> None:
+        if int(state["size"]) != len(self.records):
+            raise DatasetError("the prompt file changed since the checkpoint (record count)",
+                               field="data.train", expected=int(state["size"]),
+                               actual=len(self.records))
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self.order(self.epoch)
