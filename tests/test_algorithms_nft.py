@@ -130,3 +130,21 @@ def test_ema_update():
         ema_update(old, old, 1.5)
     with pytest.raises(InvalidRequestError):
         ema_update(old, [torch.zeros(4)], 0.5)
+
+
+def test_timestep_permutation_has_no_repeats_and_uniform_may_repeat():
+    from trainer.algorithms import TimestepOrder, nft_timestep_indices
+    gen = torch.Generator().manual_seed(0)
+    perm = nft_timestep_indices(64, 10, 9, TimestepOrder.PERMUTATION, gen)     # (draws, rows)
+    assert perm.shape == (9, 64)
+    for row in perm.T.tolist():                  # 9 of the 10 steps, each once (the reference)
+        assert len(set(row)) == 9 and set(row) <= set(range(10))
+    full = nft_timestep_indices(2000, 4, 4, TimestepOrder.PERMUTATION, gen)
+    assert all(sorted(r) == [0, 1, 2, 3] for r in full.T.tolist())
+    # first draw is uniform over the steps: each step ~ 500 of 2000 times
+    counts = torch.bincount(full[0], minlength=4)
+    assert int(counts.min()) > 400 and int(counts.max()) < 600
+    uni = nft_timestep_indices(64, 10, 9, TimestepOrder.UNIFORM, gen)
+    assert any(len(set(r)) < 9 for r in uni.T.tolist())
+    with pytest.raises(ConfigError, match="permutation"):
+        nft_timestep_indices(4, 3, 4, TimestepOrder.PERMUTATION, gen)

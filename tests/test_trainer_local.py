@@ -147,3 +147,80 @@ def test_token_id_check():
     assert e.value.field == "encoded_token_ids" and e.value.actual == list(altered)
     with pytest.raises(StartupCheckError, match="did not report"):
         checks.check_token_ids(held, [out(None)])
+
+
+def _grads_of(update, learner, batch, cfg):
+    """Run one update with the optimizer step replaced by a capture of the gradients."""
+    captured = []
+
+    def capture():
+        captured.append([p.grad.detach().clone() for p in learner.params])
+        for p in learner.params:
+            p.grad = None
+        return 1.0
+    real, learner.step = learner.step, capture
+    try:
+        metrics = update(learner, batch, cfg, torch.Generator().manual_seed(0))
+    finally:
+        learner.step = real
+    return captured[0] if captured else None, metrics
+
+
+def _fast_batch(adapter, engine, learner, settings, tied_first=False):
+    from trainer.prompts import request_window
+    seed = next(s for s in range(100) if request_window(settings, s, 0)
+                != request_window(settings, s, 1))
+    tensors, scale = learner.export()
+    engine.load_lora("t-fast", tensors, scale)
+    prompts = adapter.tokenize(captions(PromptSource.SHAPES, 2, 3))
+    requests = make_requests(adapter, prompts, settings, 4, seed, "t-fast")
+    results = _rollout(adapter, engine, learner, "t-fast", requests, prompts)
+    rewards = [(-(e.latents["image_latent"].data.mean(dim=(1, 2, 3)) - 0.1).abs()).tolist()
+               for e in results]
+    if tied_first:
+        rewards[0] = [0.5] * 4
+    return build_batch(learner, prompts, _outputs(requests, results, rewards),
+                       [r.sampling for r in requests]), requests
+
+
+def test_flow_grpo_fast_windows_per_group_and_row_share_weighting(setup):
+    """Flow-GRPO-Fast: one random 1-step SDE window per prompt group; each row trains only its
+    group's window step, and the loss is the row-weighted mean over window groups."""
+    adapter, engine, _, learner = setup
+    settings = SamplerSettings(num_steps=4, window_size=1, window_range=(0, 3))
+    cfg = TrainerConfig(algorithm=Algorithm.FLOW_GRPO, samples_per_prompt=4, sampler=settings,
+                        advantage={"std": "group", "drop_zero_groups": False})
+    batch, requests = _fast_batch(adapter, engine, learner, settings)
+    windows = [r.sampling.sde_window for r in requests]
+    assert windows[0] != windows[1] and all(w[1] - w[0] == 1 and w[1] <= 3 for w in windows)
+    assert batch.trajectory is None and len(batch.window_groups) == 2
+    assert all(t.latents.shape[1] == 2 for _, t in batch.window_groups)     # one step each
+    full, metrics = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch, cfg)
+    assert metrics["trained_window_steps"] == 1.0 and metrics["window_groups"] == 2.0
+    parts = [_grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch.select(rows), cfg)[0]
+             for rows, _ in batch.window_groups]
+    for g, a, b in zip(full, *parts):
+        torch.testing.assert_close(g, 0.5 * a + 0.5 * b, rtol=1e-4, atol=1e-9)
+    assert any(float(g.abs().max()) > 0 for g in full)
+
+
+def test_zero_advantage_groups_are_dropped_not_diluting(setup):
+    adapter, engine, _, learner = setup
+    settings = SamplerSettings(num_steps=4, window_size=1, window_range=(0, 3))
+    batch, _ = _fast_batch(adapter, engine, learner, settings, tied_first=True)
+    make = lambda drop: TrainerConfig(algorithm=Algorithm.FLOW_GRPO, samples_per_prompt=4,
+                                      sampler=settings,
+                                      advantage={"std": "group", "drop_zero_groups": drop})
+    dropped, m_drop = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch, make(True))
+    kept, m_keep = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch, make(False))
+    assert (m_drop["zero_adv_groups"], m_drop["trained_rows"]) == (1.0, 4.0)
+    assert (m_keep["zero_adv_groups"], m_keep["trained_rows"]) == (1.0, 8.0)
+    alone, _ = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner,
+                         batch.select(torch.arange(4, 8)), make(False))
+    for d, k, a in zip(dropped, kept, alone):
+        torch.testing.assert_close(d, a, rtol=1e-4, atol=1e-9)     # the tied group is gone
+        torch.testing.assert_close(k, 0.5 * a, rtol=1e-4, atol=1e-9)  # kept, it halves the step
+    tied = batch.select(torch.arange(0, 4))
+    for algorithm in (Algorithm.NFT, Algorithm.FLOW_GRPO):
+        grads, m = _grads_of(UPDATES[algorithm], learner, tied, make(True))
+        assert grads is None and m["skipped_zero_advantage"] == 1.0

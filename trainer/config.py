@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from contract import Algorithm, ConfigError, SamplerKind
 from deployments.config import GraphConfig, load_graph_config
-from trainer.algorithms import KLTarget, OldPolicySchedule
+from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode
+from trainer.datasets import DatasetFormat
 from trainer.lora import LoRATrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +49,11 @@ class SamplerSettings(Model):
     noise_level: float = Field(0.7, ge=0.0, le=2.0)
     window: tuple[int, int] | None = Field(
         None, description="[start, end) SDE steps; None = all but the last step.")
+    window_size: int | None = Field(
+        None, ge=1, description="Flow-GRPO-Fast: an SDE window of this many steps at a random "
+        "start per prompt group (ODE elsewhere; only those steps are trained).")
+    window_range: tuple[int, int] | None = Field(
+        None, description="[lo, hi) the random windows lie in; None = (0, num_steps // 2).")
     guidance_scale: float = Field(1.0, ge=0.0)
     height: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
     width: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
@@ -66,7 +72,21 @@ class SamplerSettings(Model):
         if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
             raise ValueError(f"window {self.window} must satisfy 0 <= start < end <= "
                              f"num_steps={self.num_steps}")
+        if self.window_size is not None:
+            if self.window is not None:
+                raise ValueError("give either a fixed window or window_size (random windows)")
+            lo, hi = self.random_window_range
+            if not 0 <= lo < hi <= self.num_steps - 1 or hi - lo < self.window_size:
+                raise ValueError(f"window_range {(lo, hi)} must hold window_size="
+                                 f"{self.window_size} steps within 0..num_steps-1="
+                                 f"{self.num_steps - 1} (the step into sigma 0 is not trained)")
+        elif self.window_range is not None:
+            raise ValueError("window_range needs window_size")
         return self
+
+    @property
+    def random_window_range(self) -> tuple[int, int]:
+        return self.window_range or (0, self.num_steps // 2)
 
 
 class OptimizerConfig(Model):
@@ -85,6 +105,9 @@ class NFTConfig(Model):
     old_refresh_every: int = Field(2, ge=1, description="Optimizer steps between old refreshes.")
     decay: OldPolicySchedule = OldPolicySchedule.LINEAR_TO_0_5
     train_timesteps: int = Field(4, ge=1, description="Random noise levels per sample per step.")
+    timesteps: TimestepOrder = Field(
+        TimestepOrder.UNIFORM, description="uniform: i.i.d. schedule steps; permutation: a "
+        "per-sample permutation of the rollout's steps, no repeats (the NFT reference).")
 
 
 class FlowGRPOConfig(Model):
@@ -112,6 +135,49 @@ class PipelineConfig(Model):
         return self
 
 
+class AdvantageConfig(Model):
+    """Rewards -> advantages (FlowGRPO, DiffusionNFT; DPO uses best/worst pairs)."""
+
+    std: StdScope = Field(StdScope.GLOBAL, description="global: std of the whole batch; group: "
+                          "of the prompt group")
+    ddof: int = Field(0, ge=0, le=1, description="0: population std (the recipes); 1: sample std")
+    eps: float = Field(1e-4, gt=0)
+    per_reward: bool = Field(False, description="GDPO: normalise each reward within its group, "
+                             "combine with the reward weights, normalise over the batch")
+    drop_zero_groups: bool = Field(True, description="leave groups whose advantages are all 0 "
+                                   "out of the update (counted in `zero_adv_groups`)")
+
+
+class EMAConfig(Model):
+    """EMA of the trained adapter; when enabled, evaluation samples with it."""
+
+    enabled: bool = False
+    decay: float = Field(0.9, ge=0.0, lt=1.0)
+    every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
+    warmup: bool = Field(False, description="decay_k = min(decay, (1 + k) / (10 + k)) at the "
+                         "k-th update (flow_grpo's EMA)")
+
+
+class PromptFiles(Model):
+    """Prompt files (trainer/datasets.py formats), repo-relative or absolute paths."""
+
+    train: str
+    test: str | None = Field(None, description="Held-out prompts for evaluation; None = the "
+                             "first eval.num_prompts of the training file (not held out).")
+    format: DatasetFormat = DatasetFormat.AUTO
+    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded by `seed`).")
+
+
+class WandbConfig(Model):
+    """Weights & Biases beside TensorBoard; offline writes a local run (`wandb sync` later)."""
+
+    enabled: bool = False
+    mode: str = Field("offline", pattern="^(offline|online)$")
+    project: str = "omni-rollout"
+    name: str | None = Field(None, description="Run name; None = the run folder's name.")
+    media_every: int = Field(1, ge=1, description="Log gallery media every N evaluations.")
+
+
 class EvalConfig(Model):
     every: int = Field(5, ge=1, description="Evaluate every N steps (and at step 0 and the end).")
     num_prompts: int = Field(8, ge=1)
@@ -133,6 +199,8 @@ class TrainerConfig(Model):
                                      description="Serve YAML path (repo-relative) or inline.")
     algorithm: Algorithm = Algorithm.NFT
     prompts: PromptSource = PromptSource.SHAPES
+    data: PromptFiles | None = Field(None, description="Prompt files; None = the synthetic "
+                                     "`prompts` source (which the start-up probe always uses).")
     steps: int = Field(50, ge=1)
     prompts_per_step: int = Field(4, ge=1)
     samples_per_prompt: int = Field(4, ge=2, description="Group size.")
@@ -143,6 +211,9 @@ class TrainerConfig(Model):
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
     run_dir: str = "runs/train"
@@ -156,6 +227,10 @@ class TrainerConfig(Model):
         if self.algorithm is Algorithm.FLOW_GRPO and self.sampler.sampler is SamplerKind.ODE:
             raise ValueError("flow_grpo trains on SDE transition log-probs: sampler must not "
                              "be 'ode'")
+        if self.nft.timesteps is TimestepOrder.PERMUTATION and \
+                self.nft.train_timesteps > self.sampler.num_steps:
+            raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "
+                             f"{self.sampler.num_steps} rollout steps a permutation can visit")
         return self
 
     def graph_config(self) -> GraphConfig:

@@ -7,12 +7,14 @@ check (one explicit function per prompt source; no registration).
 """
 from __future__ import annotations
 
+import random
 from typing import Callable, Sequence
 
 import torch
 
 from adapters.base import Components, DiffusionAdapter
 from contract import PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec
+from diffusion.windows import sample_sde_window
 from trainer.config import PromptSource, SamplerSettings
 
 EVAL_SEED_OFFSET = 1_000_000   # clips have no split: held-out prompts come from far-away seeds
@@ -33,24 +35,39 @@ def latent_names(adapter: DiffusionAdapter) -> tuple[str, ...]:
                  if s.representation == Representation.LATENT)
 
 
+def request_window(settings: SamplerSettings, seed: int, index: int) -> tuple[int, int] | None:
+    """The SDE window of request `index`: the fixed one, or under Flow-GRPO-Fast (window_size)
+    one drawn for the whole prompt group from a generator seeded by (seed, index), so every row
+    of a group shares it and a resumed run draws the same one."""
+    if settings.window_size is None:
+        return settings.window
+    rng = random.Random(seed * 1_000_003 + index)
+    return sample_sde_window(settings.num_steps, settings.window_size,
+                             settings.random_window_range, rng)
+
+
 def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
-                  sampler: SamplerKind | None = None, num_steps: int | None = None
+                  sampler: SamplerKind | None = None, num_steps: int | None = None,
+                  metadata: Sequence[dict] | None = None, media: Sequence | None = None
                   ) -> list[RolloutRequest]:
-    """One request per prompt, `group` rows each with seeds seed + i*group + j."""
+    """One request per prompt, `group` rows each with seeds seed + i*group + j; metadata[i]
+    (handed to the scorers) and media[i] (condition media) per prompt when given."""
     kind = sampler or settings.sampler
     out = []
     for i, bundle in enumerate(bundles):
         sampling = SamplingSpec(
             sampler=kind, num_steps=num_steps or settings.num_steps,
             noise_level=settings.noise_level if kind != SamplerKind.ODE else 0.0,
-            sde_window=settings.window if kind != SamplerKind.ODE else None,
+            sde_window=request_window(settings, seed, i) if kind != SamplerKind.ODE else None,
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
             **settings.media_shape(dict(adapter.sampling_defaults)))
         task = next(iter(adapter.tasks))
         out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
-                                  requested_artifacts=None, policy_version=version))
+                                  media=media[i] if media else None,
+                                  requested_artifacts=None, policy_version=version,
+                                  metadata=dict(metadata[i]) if metadata else {}))
     return out
 
 

@@ -8,6 +8,7 @@ Shapes: B = rows (prompts x group size), *S = sampler state, W = window steps.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,10 +18,11 @@ from adapters.base import TextCondition
 from contract import (Algorithm, InvalidRequestError, PromptBundle, RolloutOutput, SamplingSpec,
                       Trajectory)
 from diffusion.schedule import flow_match_sigmas
-from trainer.algorithms import (best_worst_pairs, dpo_loss, dpo_pair_inputs, flow_grpo_loss,
-                                group_advantages, nft_loss, optimality_probability,
-                                recompute_step, sample_pair_sigmas, trainable_step_indices,
-                                transition_kl, velocity_kl, KLTarget)
+from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
+                                flow_grpo_loss, group_advantages, nft_loss, nft_timestep_indices,
+                                optimality_probability, per_reward_advantages, recompute_step,
+                                sample_pair_sigmas, trainable_step_indices, transition_kl,
+                                velocity_kl, zero_advantage_groups, KLTarget)
 from trainer.config import TrainerConfig
 from trainer.learner import Learner, repeat_rows, state_from_latents
 from trainer.lora import PolicyRole
@@ -34,14 +36,44 @@ class Batch:
     rewards: torch.Tensor              # (B,) total reward
     group_ids: tuple[str, ...]         # B prompt/request ids
     cond: TextCondition                # (B, L, D) trainer-side condition of each row
-    trajectory: Trajectory | None      # rows concatenated; None for ODE rollouts
+    trajectory: Trajectory | None      # all rows, when they share one window; else None
     versions: tuple[str, ...]          # B policy versions the rows were sampled with
     scores: dict[str, list[float]]     # '<scorer>/<score>' -> values of OK rows
     sampling: SamplingSpec             # of the first request (all share the settings)
+    # per-scorer values that entered the total, (B,) each, NaN where MISSING; and their weights
+    reward_values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    # rows sharing one SDE window (Flow-GRPO-Fast draws one per prompt group): (rows (R,), the
+    # rows' trajectories concatenated); empty for ODE rollouts
+    window_groups: tuple[tuple[torch.Tensor, Trajectory], ...] = ()
 
     @property
     def rows(self) -> int:
         return int(self.x0.shape[0])
+
+    def select(self, index: torch.Tensor) -> "Batch":
+        """The rows `index` (ascending int64), every per-row field with them."""
+        position = torch.full((self.rows,), -1, dtype=torch.long)
+        position[index] = torch.arange(index.shape[0])
+        groups = []
+        for rows, traj in self.window_groups:
+            keep = position[rows] >= 0
+            if keep.any():
+                groups.append((position[rows][keep], _traj_rows(traj, keep)))
+        groups = tuple(groups)
+        whole = groups[0][1] if len(groups) == 1 else None
+        return dataclasses.replace(
+            self, x0=self.x0[index], rewards=self.rewards[index],
+            group_ids=tuple(self.group_ids[i] for i in index.tolist()),
+            cond=self.cond.index_select(index), trajectory=whole,
+            versions=tuple(self.versions[i] for i in index.tolist()),
+            reward_values={k: v[index] for k, v in self.reward_values.items()},
+            window_groups=groups)
+
+
+def _traj_rows(traj: Trajectory, keep: torch.Tensor) -> Trajectory:
+    return dataclasses.replace(traj, latents=traj.latents[keep], log_probs=traj.log_probs[keep],
+                               seeds=tuple(s for s, k in zip(traj.seeds, keep.tolist()) if k))
 
 
 def _cat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory | None:
@@ -62,6 +94,20 @@ def _cat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory | None:
                       policy_version=head.policy_version)
 
 
+def _window_groups(trajs: Sequence[Trajectory | None], repeats: Sequence[int]
+                   ) -> tuple[tuple[torch.Tensor, Trajectory], ...]:
+    """Rows grouped by their SDE window (first-seen order), trajectories concatenated."""
+    if any(t is None for t in trajs):
+        return ()
+    starts = [sum(repeats[:i]) for i in range(len(repeats))]
+    by_window: dict[tuple[int, int], list[int]] = {}
+    for i, t in enumerate(trajs):
+        by_window.setdefault(tuple(t.window), []).append(i)
+    return tuple((torch.cat([torch.arange(starts[i], starts[i] + repeats[i]) for i in members]),
+                  _cat_trajectories([trajs[i] for i in members]))
+                 for members in by_window.values())
+
+
 def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
                 outputs: Sequence[RolloutOutput], samplings: Sequence[SamplingSpec]) -> Batch:
     """Flatten RolloutOutputs (one per prompt) into rows; the condition is re-encoded by the
@@ -69,6 +115,7 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
     adapter = learner.adapter
     states, rewards, groups, versions = [], [], [], []
     scores: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
     for out, sampling in zip(outputs, samplings):
         if out.rewards is None:
             raise InvalidRequestError("rollout came back without rewards (no scorer configured)",
@@ -82,11 +129,46 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
         for name, so in out.rewards.by_scorer.items():
             for key, values in so.scores.items():
                 scores.setdefault(f"{name}/{key}", []).extend(v for v in values if v is not None)
+        for name, vals in out.rewards.values.items():
+            values.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
     repeats = [len(o.seeds) for o in outputs]
     cond = repeat_rows(learner.encode(prompts), repeats)
+    windows = _window_groups([o.trajectory for o in outputs], repeats)
+    weights = dict(outputs[0].rewards.weights)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
-                 cond, _cat_trajectories([o.trajectory for o in outputs]), tuple(versions),
-                 scores, samplings[0])
+                 cond, windows[0][1] if len(windows) == 1 else None, tuple(versions),
+                 scores, samplings[0],
+                 {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()},
+                 weights, windows)
+
+
+def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
+               ) -> tuple[Batch | None, torch.Tensor, dict[str, float]]:
+    """Advantages as configured (`cfg.advantage`), clipped to +-adv_clip_max, and the batch
+    without the groups whose advantages are all zero when `drop_zero_groups` (None when none is
+    left). Returns (batch, (B',) advantages, metrics)."""
+    a = cfg.advantage
+    if a.per_reward:
+        if not batch.reward_values:
+            raise InvalidRequestError("per-reward advantages need the per-scorer values of the "
+                                      "reward report", field="rewards.values")
+        adv = per_reward_advantages(batch.reward_values, batch.reward_weights, batch.group_ids,
+                                    ddof=a.ddof, eps=a.eps).clamp(-adv_clip_max, adv_clip_max)
+    else:
+        adv = group_advantages(batch.rewards, batch.group_ids,
+                               global_std=a.std is StdScope.GLOBAL, ddof=a.ddof, eps=a.eps,
+                               adv_clip_max=adv_clip_max)
+    zero = zero_advantage_groups(adv, batch.group_ids)
+    metrics = {"zero_adv_groups": float(len(set(g for g, z in zip(batch.group_ids, zero.tolist())
+                                                 if z))),
+               "adv_abs_mean": float(adv.abs().mean())}
+    if not a.drop_zero_groups or not zero.any():
+        return batch, adv, metrics | {"trained_rows": float(batch.rows)}
+    keep = torch.nonzero(~zero).flatten()
+    metrics["trained_rows"] = float(keep.shape[0])
+    if keep.shape[0] == 0:
+        return None, adv[keep], metrics
+    return batch.select(keep), adv[keep], metrics
 
 
 # ---- DiffusionNFT ---------------------------------------------------------------------------
@@ -94,13 +176,14 @@ def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
                gen: torch.Generator) -> dict[str, float]:
     """Forward-process NFT: fresh noise at schedule noise levels; v_theta / v_old / v_ref."""
     c = cfg.nft
-    adv = group_advantages(batch.rewards, batch.group_ids, adv_clip_max=c.adv_clip_max)  # (B,)
+    batch, adv, totals = advantages(batch, cfg, c.adv_clip_max)                         # (B,)
+    if batch is None:       # every group tied: no signal, no step (counted, not faked)
+        return totals | {"skipped_zero_advantage": 1.0}
     r = optimality_probability(adv, c.adv_clip_max, c.adv_mode)                            # (B,)
     sigmas = flow_match_sigmas(cfg.sampler.num_steps, learner.adapter.schedule_shift)[:-1]
     x0 = batch.x0
-    totals: dict[str, float] = {}
-    for _ in range(c.train_timesteps):
-        idx = torch.randint(len(sigmas), (batch.rows,), generator=gen)
+    order = nft_timestep_indices(batch.rows, len(sigmas), c.train_timesteps, c.timesteps, gen)
+    for idx in order:                                                                 # (B,) each
         sigma = sigmas[idx]                                                               # (B,)
         eps = torch.randn(x0.shape, generator=gen)
         s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
@@ -124,37 +207,46 @@ def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
 # ---- FlowGRPO -------------------------------------------------------------------------------
 def grpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
                 gen: torch.Generator) -> dict[str, float]:
-    """Clipped surrogate on the stored fp32 window transitions (rollout log-probs are old)."""
-    c, traj = cfg.flow_grpo, batch.trajectory
-    if traj is None:
+    """Clipped surrogate on the stored fp32 window transitions (rollout log-probs are old).
+
+    Rows are trained on their own window's steps (one window per prompt group under
+    Flow-GRPO-Fast); each window group weighs by its share of the rows, so the loss is the mean
+    over rows of the mean over that row's trained steps."""
+    c = cfg.flow_grpo
+    if not batch.window_groups:
         raise InvalidRequestError("flow_grpo needs stored trajectories", field="trajectory")
-    adv = group_advantages(batch.rewards, batch.group_ids, adv_clip_max=c.adv_clip_max)
-    steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
-    totals: dict[str, float] = {}
-    start = traj.window[0]
-    for j in steps:
-        sigma = traj.sigmas[j].expand(batch.rows)
-        x_j = traj.latents[:, j - start]
-        v = learner.velocity(x_j, sigma, batch.cond, PolicyRole.CURRENT, traj.guidance_scale)
-        out = recompute_step(traj, j, v)
-        kl = None
-        if c.kl_beta > 0:
-            with torch.no_grad():
-                v_ref = learner.velocity(x_j, sigma, batch.cond, PolicyRole.REFERENCE,
-                                         traj.guidance_scale)
-            if c.kl_target is KLTarget.VELOCITY:
-                kl = velocity_kl(v, v_ref)
-            else:
-                ref = recompute_step(traj, j, v_ref)
-                kl = transition_kl(out, ref)
-        loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], adv,
-                              clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
-                              kl_beta=c.kl_beta)
-        (loss.loss / len(steps)).backward()
-        for k, val in loss.metrics().items():
-            totals[k] = totals.get(k, 0.0) + val / len(steps)
+    batch, adv, totals = advantages(batch, cfg, c.adv_clip_max)
+    if batch is None:
+        return totals | {"skipped_zero_advantage": 1.0}
+    trained_steps = 0.0
+    for rows, traj in batch.window_groups:
+        steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
+        share = rows.shape[0] / batch.rows
+        cond, a, start = batch.cond.index_select(rows), adv[rows], traj.window[0]
+        trained_steps += share * len(steps)
+        for j in steps:
+            sigma = traj.sigmas[j].expand(rows.shape[0])
+            x_j = traj.latents[:, j - start]
+            v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale)
+            out = recompute_step(traj, j, v)
+            kl = None
+            if c.kl_beta > 0:
+                with torch.no_grad():
+                    v_ref = learner.velocity(x_j, sigma, cond, PolicyRole.REFERENCE,
+                                             traj.guidance_scale)
+                if c.kl_target is KLTarget.VELOCITY:
+                    kl = velocity_kl(v, v_ref)
+                else:
+                    kl = transition_kl(out, recompute_step(traj, j, v_ref))
+            loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], a,
+                                  clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
+                                  kl_beta=c.kl_beta)
+            (loss.loss * share / len(steps)).backward()
+            for k, val in loss.metrics().items():
+                totals[k] = totals.get(k, 0.0) + val * share / len(steps)
     totals["grad_norm"] = learner.step()
-    totals["trained_window_steps"] = float(len(steps))
+    totals["trained_window_steps"] = trained_steps
+    totals["window_groups"] = float(len(batch.window_groups))
     return totals
 
 

@@ -9,7 +9,8 @@ from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_i
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
                                           recompute_step, sde_mean_kl, trainable_step_indices,
                                           transition_kl, velocity_kl, window_step)
-from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, ema_update, nft_loss, old_decay)
+from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, ema_update,
+                                  nft_loss, nft_timestep_indices, old_decay)
 
 __all__ = [
     "Algorithm", "AdvantageMode", "PreferencePairs", "StdScope", "best_worst_pairs",
@@ -18,5 +19,6 @@ __all__ = [
     "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
     "transition_kl", "velocity_kl",
-    "window_step", "NFTLoss", "OldPolicySchedule", "ema_update", "nft_loss", "old_decay",
+    "window_step", "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",
+    "nft_timestep_indices", "old_decay",
 ]

@@ -118,6 +118,31 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_sigma: torch.Tensor, 
                    loss_minus.mean().detach(), ref_kl.detach())
 
 
+class TimestepOrder(str, Enum):
+    """Which schedule steps a sample is trained at, over the train_timesteps draws of one update."""
+
+    UNIFORM = "uniform"            # i.i.d. uniform over the rollout's steps (repeats possible)
+    PERMUTATION = "permutation"    # the first draws of a per-sample permutation: no repeats
+                                   # (the DiffusionNFT reference, timestep_fraction of the steps)
+
+
+def nft_timestep_indices(rows: int, num_steps: int, draws: int, order: TimestepOrder,
+                         generator: torch.Generator) -> torch.Tensor:
+    """(draws, rows) int64 indices into the rollout's num_steps noise levels: row b is trained
+    at sigmas[idx[k, b]] in draw k. PERMUTATION needs draws <= num_steps."""
+    order = TimestepOrder(order)
+    if rows < 1 or num_steps < 1 or draws < 1:
+        raise ConfigError("rows, num_steps and draws must be >= 1", field="draws",
+                          actual=(rows, num_steps, draws))
+    if order is TimestepOrder.UNIFORM:
+        return torch.randint(num_steps, (draws, rows), generator=generator)
+    if draws > num_steps:
+        raise ConfigError("a permutation visits each of the rollout's steps once",
+                          field="train_timesteps", expected=f"<= {num_steps}", actual=draws)
+    keys = torch.rand(rows, num_steps, generator=generator)                    # (rows, N)
+    return keys.argsort(dim=1)[:, :draws].T.contiguous()                       # (draws, rows)
+
+
 class OldPolicySchedule(str, Enum):
     """Decay d of the soft old-policy update theta_old <- d theta_old + (1 - d) theta."""
 
