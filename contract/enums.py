@@ -61,6 +61,7 @@ class SamplerKind(str, Enum):
     ODE = "ode"              # deterministic Euler
     CPS = "cps"              # coefficients-preserving sampling
     DANCE_SDE = "dance_sde"  # DanceGRPO constant-eta SDE
+    DPM2 = "dpm2"            # deterministic multistep DPM-Solver++(2M) (DiffusionNFT's solver)
 
 
 class TimeConvention(str, Enum):

@@ -79,7 +79,7 @@ class SamplingSpec(FrozenModel):
     @property
     def window(self) -> tuple[int, int]:
         """Resolved SDE window [start, end): the whole schedule minus the last step by default."""
-        if self.sampler == SamplerKind.ODE:
+        if self.sampler in (SamplerKind.ODE, SamplerKind.DPM2):     # deterministic kinds
             return (0, 0)
         if self.sde_window is None:
             return (0, max(self.num_steps - 1, 1))
@@ -89,7 +89,8 @@ class SamplingSpec(FrozenModel):
     @classmethod
     def _check_noise_level(cls, value: float, info: ValidationInfo) -> float:
         sampler = info.data.get("sampler")
-        if value == 0.0 and sampler is not None and sampler != SamplerKind.ODE:
+        if value == 0.0 and sampler is not None and sampler not in (SamplerKind.ODE,
+                                                                    SamplerKind.DPM2):
             raise ValueError(f"noise_level 0 leaves the {sampler.value} window without a "
                              "log-prob; use sampler='ode' for a deterministic rollout")
         return value

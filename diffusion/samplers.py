@@ -47,6 +47,7 @@ class StepOutput:
     std: torch.Tensor
     sqrt_dt: torch.Tensor
     std_dev_t: torch.Tensor
+    history: "SolverHistory | None" = None   # multistep solvers: what the next step needs
 
 
 def log_prob_of(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -207,22 +208,107 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     return StepOutput(mean, None, mean, zero, torch.sqrt(-dt), zero)
 
 
+@dataclass(frozen=True)
+class SolverHistory:
+    """A multistep solver's memory of the previous step, per row: its data prediction
+    x0_hat = x - sigma v (B, *S) and its sigma (B,)."""
+
+    x0: torch.Tensor
+    sigma: torch.Tensor
+
+    @classmethod
+    def initial(cls, x: torch.Tensor) -> "SolverHistory":
+        """The start of a schedule that does not begin at sigma = 1: a 'previous step' at
+        sigma = 1 has lambda = -inf and contributes no correction (a first-order step)."""
+        return cls(torch.zeros_like(x), torch.ones(x.shape[0], dtype=torch.float32,
+                                                    device=x.device))
+
+
+def _log_snr(sigma: torch.Tensor) -> torch.Tensor:
+    """lambda = log(alpha / sigma) of the flow path alpha = 1 - sigma (float64, -inf at 1)."""
+    return torch.log1p(-sigma) - torch.log(sigma)
+
+
+def dpm2_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+              noise_level: float = 0.0, noise: torch.Tensor | None = None,
+              prev_sample: torch.Tensor | None = None,
+              history: SolverHistory | None = None) -> StepOutput:
+    """Deterministic multistep DPM-Solver++(2M) (Lu et al. 2022, arXiv 2211.01095, Alg. 2) in
+    the flow parameterisation alpha = 1 - sigma with data prediction x0_hat = x - sigma v: the
+    DiffusionNFT reference's rollout solver ("dpm2").
+
+    With h = lambda_next - lambda, r = (lambda - lambda_prev) / h, D = x0_hat + (x0_hat -
+    x0_prev) / (2 r):
+        x_next = (sigma_next / sigma) x - alpha_next (e^-h - 1) D
+    First order (D = x0_hat, i.e. the DDIM / Euler step) where there is no previous step, where
+    the previous step started at sigma = 1 (lambda = -inf: its correction vanishes) and on the
+    final step into sigma = 0 (lower-order final, as the reference and diffusers do).
+    history: the previous step's `StepOutput.history`; None only at sigma = 1, the schedule's
+    first step (elsewhere a missing history would silently drop to first order: refused; a
+    schedule starting below 1 passes `SolverHistory.initial(x)`).
+    No log-prob (deterministic); noise_level and noise are ignored.
+    """
+    if prev_sample is not None:
+        raise InvalidRequestError("a DPM-Solver step has no log-prob to recompute",
+                                  field="prev_sample", expected="None", actual="a tensor")
+    x, v, sigma, sigma_next, _, _ = _prepare(x, v, sigma, sigma_next, 0.0, None, None)
+    if history is None and not bool((sigma == 1).all()):
+        raise InvalidRequestError("dpm2 needs the previous step's history after the first "
+                                  "step", field="history", expected="SolverHistory",
+                                  actual=None)
+    x0_hat = x - rows(sigma, x.ndim) * v
+    s, sn = sigma.double(), sigma_next.double()
+    ratio = rows((sn / s).float(), x.ndim)                                 # sigma_next / sigma
+    alpha_next = 1 - sn
+    first = ratio * x + rows((alpha_next - sn * (1 - s) / s).float(), x.ndim) * x0_hat
+    if history is None:
+        x_next = first
+    else:
+        sp = check_row_sigma(history.sigma, x.shape[0], "history.sigma").double()
+        prev_x0 = check_same_shape(history.x0, x, "history.x0").float()
+        second_order = (sp < 1) & (sn > 0)                                   # (B,)
+        safe_sp = torch.where(second_order, sp, torch.full_like(sp, 0.5))
+        safe_sn = torch.where(second_order, sn, torch.full_like(sn, 0.5))
+        h = _log_snr(safe_sn) - _log_snr(s)
+        r = (_log_snr(s) - _log_snr(safe_sp)) / h
+        coef = -(1 - safe_sn) * torch.expm1(-h)                              # -alpha (e^-h - 1)
+        d = x0_hat + rows((0.5 / r).float(), x.ndim) * (x0_hat - prev_x0)
+        second = rows((safe_sn / s).float(), x.ndim) * x + rows(coef.float(), x.ndim) * d
+        x_next = torch.where(rows(second_order, x.ndim), second, first)
+    zero = torch.zeros_like(sigma)
+    return StepOutput(x_next, None, x_next, zero, torch.sqrt(sigma - sigma_next), zero,
+                      SolverHistory(x0_hat, sigma))
+
+
 _STEPS: dict[SamplerKind, Callable[..., StepOutput]] = {
     SamplerKind.SDE: sde_step,
     SamplerKind.ODE: ode_step,
     SamplerKind.CPS: cps_step,
     SamplerKind.DANCE_SDE: dance_sde_step,
+    SamplerKind.DPM2: dpm2_step,
 }
 
 
 def sampler_step(kind: SamplerKind | str, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
                  sigma_next: torch.Tensor, noise_level: float, noise: torch.Tensor | None,
-                 prev_sample: torch.Tensor | None = None) -> StepOutput:
-    """Dispatch one step by sampler kind. x, v, noise, prev_sample: (B, *S); sigma(_next): (B,)."""
+                 prev_sample: torch.Tensor | None = None,
+                 history: SolverHistory | None = None) -> StepOutput:
+    """Dispatch one step by sampler kind. x, v, noise, prev_sample: (B, *S); sigma(_next): (B,).
+    history: the previous step's `StepOutput.history` for a multistep kind (DPM2)."""
     try:
         kind = SamplerKind(kind)
     except ValueError:
         raise InvalidRequestError("unknown sampler kind", field="sampler",
                                   expected=[k.value for k in SamplerKind], actual=kind) from None
+    if kind in MULTISTEP:
+        return _STEPS[kind](x, v, sigma, sigma_next, noise_level, noise=noise,
+                            prev_sample=prev_sample, history=history)
+    if history is not None:
+        raise InvalidRequestError(f"{kind.value} is a one-step sampler: it takes no history",
+                                  field="history", expected=None, actual="SolverHistory")
     return _STEPS[kind](x, v, sigma, sigma_next, noise_level, noise=noise,
                         prev_sample=prev_sample)
+
+
+MULTISTEP = frozenset({SamplerKind.DPM2})          # kinds that carry a SolverHistory
+DETERMINISTIC = frozenset({SamplerKind.ODE, SamplerKind.DPM2})   # no noise, no log-prob

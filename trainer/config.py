@@ -224,9 +224,10 @@ class TrainerConfig(Model):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.algorithm is Algorithm.FLOW_GRPO and self.sampler.sampler is SamplerKind.ODE:
+        if self.algorithm is Algorithm.FLOW_GRPO and self.sampler.sampler in (SamplerKind.ODE,
+                                                                              SamplerKind.DPM2):
             raise ValueError("flow_grpo trains on SDE transition log-probs: sampler must not "
-                             "be 'ode'")
+                             f"be deterministic ('{self.sampler.sampler.value}')")
         if self.nft.timesteps is TimestepOrder.PERMUTATION and \
                 self.nft.train_timesteps > self.sampler.num_steps:
             raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "

@@ -14,6 +14,7 @@ import torch
 
 from adapters.base import Components, DiffusionAdapter
 from contract import PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec
+from diffusion.samplers import DETERMINISTIC
 from diffusion.windows import sample_sde_window
 from trainer.config import PromptSource, SamplerSettings
 
@@ -58,8 +59,8 @@ def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
     for i, bundle in enumerate(bundles):
         sampling = SamplingSpec(
             sampler=kind, num_steps=num_steps or settings.num_steps,
-            noise_level=settings.noise_level if kind != SamplerKind.ODE else 0.0,
-            sde_window=request_window(settings, seed, i) if kind != SamplerKind.ODE else None,
+            noise_level=0.0 if kind in DETERMINISTIC else settings.noise_level,
+            sde_window=None if kind in DETERMINISTIC else request_window(settings, seed, i),
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
             **settings.media_shape(dict(adapter.sampling_defaults)))
