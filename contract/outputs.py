@@ -42,12 +42,15 @@ class ScorerOutput:
     """Named scores of one scorer for B samples, with a status (and reason) per sample.
 
     A score is None exactly where its sample's status is not OK: never a substituted 0.
+    metadata: JSON-safe facts on how the batch was scored, the same for every sample (e.g. the
+    frame indices sampled from a video).
     """
 
     scorer: str
     scores: Mapping[str, tuple[float | None, ...]]
     status: tuple[ScoreStatus, ...]
     reasons: tuple[str | None, ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -37,7 +37,7 @@ def _split(output: ScorerOutput, sizes: Sequence[int]) -> list[ScorerOutput]:
     for n in sizes:
         sl = slice(start, start + n)
         out.append(ScorerOutput(output.scorer, {k: v[sl] for k, v in output.scores.items()},
-                                output.status[sl], output.reasons[sl]))
+                                output.status[sl], output.reasons[sl], output.metadata))
         start += n
     return out
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
 from rewards.base import ScoreRequest
-from rewards.embedding import ScoreMap, cosine, map_cosine, ok_output, resample, to_mono
+from rewards.embedding import (ScoreMap, cosine, map_cosine, ok_output, pooled_features, resample,
+                               to_mono)
 from rewards.media import require_decoded
 
 
@@ -96,15 +97,10 @@ class ClapScorer:
         out = self._model.get_audio_features(
             input_features=feats["input_features"].to(self.config.device),
             is_longer=feats["is_longer"].to(self.config.device))
-        return _embeds(out)
+        return pooled_features(out)
 
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         tok = self._processor.tokenizer(prompts, padding=True, return_tensors="pt")
         out = self._model.get_text_features(input_ids=tok["input_ids"].to(self.config.device),
                                             attention_mask=tok["attention_mask"].to(self.config.device))
-        return _embeds(out)
-
-
-def _embeds(out) -> torch.Tensor:
-    """transformers 5 returns a model output with pooler_output; older ones a tensor."""
-    return (out if isinstance(out, torch.Tensor) else out.pooler_output).float()
+        return pooled_features(out)

@@ -121,7 +121,7 @@ def combine(outputs: Mapping[str, ScorerOutput], config: RewardConfig, *,
                                         actual=st.value)
             status[i] = ScoreStatus.MISSING
         recorded[name] = ScorerOutput(scorer=out.scorer, scores=out.scores, status=tuple(status),
-                                      reasons=tuple(reasons))
+                                      reasons=tuple(reasons), metadata=out.metadata)
         values[name] = _normalise(name, [out.scores[key][i] if status[i] == ScoreStatus.OK
                                          else None for i in range(batch)],
                                   entry.normalization, moments)

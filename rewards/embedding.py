@@ -7,7 +7,7 @@ into a reward. Two named scores come back per pair: the raw cosine in [-1, 1] an
 from __future__ import annotations
 
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -78,9 +78,16 @@ def resample(wave: np.ndarray, sample_rate: int, target_rate: int) -> np.ndarray
     return resample_poly(wave, up, down, axis=-1).astype(np.float32)
 
 
-def ok_output(scorer: str, scores: Mapping[str, torch.Tensor]) -> ScorerOutput:
+def ok_output(scorer: str, scores: Mapping[str, torch.Tensor],
+              metadata: Mapping[str, Any] | None = None) -> ScorerOutput:
     """Named (B,) tensors -> ScorerOutput with every sample OK."""
     named = {k: tuple(float(x) for x in v.detach().cpu().tolist()) for k, v in scores.items()}
     batch = len(next(iter(named.values())))
     return ScorerOutput(scorer=scorer, scores=named, status=(ScoreStatus.OK,) * batch,
-                        reasons=(None,) * batch)
+                        reasons=(None,) * batch, metadata=dict(metadata or {}))
+
+
+def pooled_features(out) -> torch.Tensor:
+    """get_*_features results: transformers 5 returns a model output with pooler_output, older
+    versions a tensor."""
+    return (out if isinstance(out, torch.Tensor) else out.pooler_output).float()

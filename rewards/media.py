@@ -33,4 +33,9 @@ def require_decoded(artifacts: Mapping[str, MediaArtifact], name: str, modality:
                                field=f"{field}.layout", expected=DECODED_LAYOUT[modality].value,
                                actual=spec.layout.value)
     validate_artifact(artifact)   # dtype, rank, finiteness, fps / sample rate
+    if modality in (Modality.IMAGE, Modality.VIDEO) and artifact.data.shape[-3] != 3:
+        raise MediaFormatError(f"scorer {scorer!r} needs RGB pixels with channels at axis "
+                               f"{artifact.data.ndim - 3} ({spec.layout.value})",
+                               field=f"{field}.shape", expected=3,
+                               actual=tuple(artifact.data.shape))
     return artifact

@@ -1,11 +1,13 @@
 """Explicit scorer construction from config: `build_scorer(ScorerSpec)` -> a Scorer instance.
 
-No import-time registration: the kind -> class table is this module's `build_scorer` body, and each
-class is imported only when its kind is built (model scorers pull in open_clip / transformers /
-ImageBind; the verifiers live in rewards/verifiers/).
+No import-time registration: the kind -> class table is this module (`_CONFIGURED` and `_build`),
+and each class is imported only when its kind is built (model scorers pull in open_clip /
+transformers / ImageBind / onnxruntime; the verifiers live in rewards/verifiers/). `video=`
+wraps any image scorer to score videos on sampled frames (rewards/frames.py).
 """
 from __future__ import annotations
 
+import importlib
 from enum import Enum
 from typing import Any
 
@@ -13,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from contract import ConfigError
 from rewards.base import Scorer
+from rewards.frames import FrameSampledScorer, VideoFrames
 
 
 class ScorerKind(str, Enum):
@@ -23,6 +26,15 @@ class ScorerKind(str, Enum):
     CLIP = "clip"
     CLAP = "clap"
     IMAGEBIND = "imagebind"
+    OCR = "ocr"                      # RapidOCR PP-OCRv4 (shipped weights), Flow-GRPO OCR reward
+    PICKSCORE = "pickscore"          # transformers CLIPModel (PickScore_v1)
+    CLIPSCORE = "clipscore"          # transformers CLIPModel, Hessel et al. CLIP-S
+    AESTHETIC = "aesthetic"          # LAION aesthetic: CLIP ViT-L/14 image embedding + MLP head
+    HPSV2 = "hpsv2"                  # open_clip ViT-H-14 + an HPS v2 / v2.1 checkpoint
+    IMAGE_REWARD = "image_reward"    # BLIP (ImageReward.pt + med_config.json)
+    REMOTE = "remote"                # an HTTP reward server (JSON, base64 PNG / WAV)
+    VLM_JUDGE = "vlm_judge"          # an OpenAI-compatible chat-completions VLM
+    EXTERNAL = "external"            # a Scorer class named by import path (isolated envs)
 
 
 class ScorerSpec(BaseModel):
@@ -31,19 +43,37 @@ class ScorerSpec(BaseModel):
     kind: ScorerKind
     params: dict[str, Any] = Field(default_factory=dict,
                                    description="the scorer's config fields / constructor kwargs")
+    video: VideoFrames | None = Field(None, description="score a video with this image scorer "
+                                      "on uniformly sampled frames (rewards.frames)")
 
 
 def build_scorer(spec: ScorerSpec) -> Scorer:
-    kind, params = spec.kind, spec.params
-    if kind == ScorerKind.CLIP:
-        from rewards.clip import ClipScorer, ClipScorerConfig
-        return ClipScorer(_validate(ClipScorerConfig, params, kind))
-    if kind == ScorerKind.CLAP:
-        from rewards.clap import ClapScorer, ClapScorerConfig
-        return ClapScorer(_validate(ClapScorerConfig, params, kind))
-    if kind == ScorerKind.IMAGEBIND:
-        from rewards.imagebind import ImageBindScorer, ImageBindScorerConfig
-        return ImageBindScorer(_validate(ImageBindScorerConfig, params, kind))
+    scorer = _build(spec.kind, spec.params)
+    return scorer if spec.video is None else FrameSampledScorer(scorer, spec.video)
+
+
+_CONFIGURED = {   # kind -> (module, scorer class, its pydantic config class)
+    ScorerKind.CLIP: ("rewards.clip", "ClipScorer", "ClipScorerConfig"),
+    ScorerKind.CLAP: ("rewards.clap", "ClapScorer", "ClapScorerConfig"),
+    ScorerKind.IMAGEBIND: ("rewards.imagebind", "ImageBindScorer", "ImageBindScorerConfig"),
+    ScorerKind.OCR: ("rewards.ocr", "OcrScorer", "OcrScorerConfig"),
+    ScorerKind.PICKSCORE: ("rewards.hf_clip", "PickScoreScorer", "HFClipScorerConfig"),
+    ScorerKind.CLIPSCORE: ("rewards.hf_clip", "ClipScoreScorer", "HFClipScorerConfig"),
+    ScorerKind.AESTHETIC: ("rewards.aesthetic", "AestheticScorer", "AestheticScorerConfig"),
+    ScorerKind.HPSV2: ("rewards.hps", "HPSv2Scorer", "HPSv2ScorerConfig"),
+    ScorerKind.IMAGE_REWARD: ("rewards.image_reward", "ImageRewardScorer",
+                              "ImageRewardScorerConfig"),
+    ScorerKind.REMOTE: ("rewards.remote", "RemoteScorer", "RemoteScorerConfig"),
+    ScorerKind.VLM_JUDGE: ("rewards.vlm_judge", "VLMJudgeScorer", "VLMJudgeScorerConfig"),
+    ScorerKind.EXTERNAL: ("rewards.external", "ExternalScorer", "ExternalScorerConfig"),
+}
+
+
+def _build(kind: ScorerKind, params: dict[str, Any]) -> Scorer:
+    if kind in _CONFIGURED:
+        module_name, cls_name, cfg_name = _CONFIGURED[kind]
+        module = importlib.import_module(module_name)
+        return getattr(module, cls_name)(_validate(getattr(module, cfg_name), params, kind))
     if kind == ScorerKind.IMAGE_ATTRIBUTES:
         from rewards.verifiers.image import ImageAttributeScorer as cls
     elif kind == ScorerKind.AV_SYNC:

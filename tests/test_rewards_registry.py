@@ -28,7 +28,7 @@ def test_bad_params_are_config_errors():
         build_scorer(ScorerSpec(kind="imagebind", params={"pairs": ["text_video"]}))
     assert e.value.field == "imagebind.params"
     with pytest.raises(ValueError):
-        ScorerSpec(kind="aesthetic")
+        ScorerSpec(kind="no_such_scorer")
 
 
 @pytest.mark.parametrize("kind", ["image_attributes", "av_sync", "pitch_color",
