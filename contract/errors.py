@@ -137,6 +137,12 @@ class ScorerFailedError(RolloutError):
     http_status = 502
 
 
+class RemoteScorerError(RolloutError):
+    """A remote scorer (an HTTP reward server, a VLM judge) timed out, answered an error status
+    or a body that breaks its protocol, after its retries. Never turned into a reward of 0."""
+    http_status = 502
+
+
 class ConfigError(RolloutError):
     """A configuration value is invalid (raised at build time)."""
 
