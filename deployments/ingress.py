@@ -156,7 +156,9 @@ class RolloutGraph:
         n = request.sampling.samples_per_prompt
         prompts = (request.prompt.text or "",) * n
         conditions = {role.value: data for role, data in media.items()}
-        metadata = tuple(dict(conditions, seed=seed) for seed in request.sampling.seeds)
+        # the prompt's own metadata (OCR target text, GenEval objects...) reaches every scorer
+        metadata = tuple(dict(request.metadata, **conditions, seed=seed)
+                         for seed in request.sampling.seeds)
         if self._primaries is None:
             names = list(self.scorers)
             got = await asyncio.gather(*(self.scorers[k].primary.remote() for k in names))

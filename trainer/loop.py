@@ -30,6 +30,8 @@ from trainer.logs import MetricsLogger, load_checkpoint, plot_reward_curve, save
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, refresh_old
 from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
+from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, generator_state,
+                               set_generator_state)
 from trainer.updates import UPDATES, build_batch
 
 ROLLOUT_RETRIES = 3   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
@@ -43,6 +45,7 @@ class Pending:
     requests: list[RolloutRequest]
     response: Any
     submitted: float
+    data_state: dict | None = None     # the prompt feed's position before this batch
 
 
 def stale_rows(versions: Sequence[str], published: Sequence[str], max_staleness: int) -> list[bool]:
@@ -74,8 +77,10 @@ class Trainer:
         self.dropped_stale_rows = 0
         self.rollout_retries = 0
         self.progress = progress
-        self.eval_prompts = self.adapter.tokenize(captions(cfg.prompts, cfg.eval.num_prompts,
-                                                           cfg.eval.seed, held_out=True))
+        self.feed = PromptFeed(cfg, self.adapter.tokenize)
+        self.eval_prompts = self.feed.eval_bundles
+        self.ema = PolicyEMA(cfg.ema) if cfg.ema.enabled else None
+        self._resume_pending: dict | None = None     # the in-flight batch's version, resumed
         self.history: list[dict[str, float]] = []
 
     # ---- versions ------------------------------------------------------------------------------
@@ -101,15 +106,27 @@ class Trainer:
                                    *self.learner.export_packed(TRAIN_ADAPTER))
         return version
 
+    def eval_version(self) -> str:
+        """The evaluated policy: the EMA of the trained adapter when enabled, else the current."""
+        if self.ema is None:
+            return self.current_version()
+        current, scale = self.learner.export(TRAIN_ADAPTER)
+        if self.ema.tensors is None:
+            self.ema.update(self.step, current)
+        return self.publisher.publish(f"ema-{self.step}", self.step, self.ema.tensors, scale)[0]
+
     # ---- rollouts ------------------------------------------------------------------------------
-    def submit(self, k: int) -> Pending:
+    def submit(self, k: int, version: str | None = None) -> Pending:
+        """Step k's rollouts with the latest sampling version (or `version`); the prompts come
+        from the feed (scorer metadata and condition media with them)."""
         cfg = self.cfg
-        prompts = self.adapter.tokenize(captions(cfg.prompts, cfg.prompts_per_step,
-                                                 cfg.seed * 100_003 + k))
-        requests = make_requests(self.adapter, prompts, cfg.sampler, cfg.samples_per_prompt,
+        batch = self.feed.batch(k, cfg.prompts_per_step)
+        requests = make_requests(self.adapter, batch.bundles, cfg.sampler, cfg.samples_per_prompt,
                                  seed=(cfg.seed * 100_003 + k) * 1000,
-                                 version=self.sampling_versions[-1])
-        return Pending(k, prompts, requests, self.client.submit(requests), time.perf_counter())
+                                 version=version or self.sampling_versions[-1],
+                                 metadata=batch.metadata, media=batch.media)
+        return Pending(k, batch.bundles, requests, self.client.submit(requests),
+                       time.perf_counter(), batch.data_state)
 
     def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
         """Outputs of a submitted batch; lost outputs (ReplicaFailedError) are resampled with
@@ -136,10 +153,12 @@ class Trainer:
         """Held-out prompts, ODE, fixed seeds, the current adapter; graph-scored rewards."""
         t0 = time.perf_counter()
         e = self.cfg.eval
+        extra_metadata, extra_media = self.feed.eval_extras()
         requests = make_requests(self.adapter, self.eval_prompts, self.cfg.sampler,
                                  e.samples_per_prompt, seed=e.seed,
-                                 version=self.current_version(), sampler=SamplerKind.ODE,
-                                 num_steps=e.num_steps)
+                                 version=self.eval_version(), sampler=SamplerKind.ODE,
+                                 num_steps=e.num_steps, metadata=extra_metadata,
+                                 media=extra_media)
         outputs = self.rollout(requests)
         totals = [r for o in outputs for r in o.rewards.total]
         out = {"eval_reward_mean": sum(totals) / len(totals)}
@@ -229,13 +248,14 @@ class Trainer:
         if cfg.resume:
             self.resume()
         report = self.startup_checks() if self.step == 0 else {}
+        resumed = self.publish_resumed()
         self.publish_sampling()
         if report:
             self.logger.log(self.step, {f"check_{k}": v for k, v in report.items()})
         if self.step == 0:
             self.logger.log(0, self.evaluate())
         bar = _progress(cfg.steps, self.step) if self.progress else None
-        pending = self.submit(self.step)
+        pending = self.submit(self.step, resumed)
         t_last = time.perf_counter()
         while self.step < cfg.steps:
             k, current = self.step, pending
@@ -249,6 +269,8 @@ class Trainer:
             t_train = time.perf_counter() - t0
             self.step += 1
             sync_s = self.after_update()
+            if self.ema is not None:
+                self.ema.update(self.step, self.learner.export(TRAIN_ADAPTER)[0])
             if nxt and cfg.pipeline.mode is PipelineMode.SERIAL:
                 pending = self.submit(k + 1)
             now = time.perf_counter()
@@ -261,12 +283,14 @@ class Trainer:
             self.logger.log(self.step, metrics)
             self.history.append(metrics)
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                self.checkpoint()
+                self.checkpoint(pending if nxt else None)
             t_last = time.perf_counter()   # step_s: rollout wait + train + sync (no eval/ckpt)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                                loss=f"{metrics.get('loss', float('nan')):.4f}")
+                                loss=f"{metrics.get('loss', float('nan')):.4f}",
+                                **({} if self.feed.epoch is None else
+                                   {"epoch": f"{self.feed.epoch:.2f}"}))
         if bar is not None:
             bar.close()
         plot_reward_curve(self.run_dir)
@@ -274,20 +298,59 @@ class Trainer:
         return self.history
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, {
-            TRAIN_ADAPTER: self.learner.export(TRAIN_ADAPTER)[0],
-            OLD_ADAPTER: self.learner.export(OLD_ADAPTER)[0]}, self.learner.optimizer,
-            {"sampling_versions": self.sampling_versions, "algorithm": self.cfg.algorithm.value,
-             "dropped_stale_rows": self.dropped_stale_rows})
+    def checkpoint(self, pending: Pending | None = None) -> Path:
+        """Everything the next steps depend on (run_state.py): adapters, optimizer, generator,
+        the prompt position and sampling version of the in-flight batch `pending`, the EMA."""
+        tensors = {TRAIN_ADAPTER: self.learner.export(TRAIN_ADAPTER)[0],
+                   OLD_ADAPTER: self.learner.export(OLD_ADAPTER)[0]}
+        if pending is not None:
+            tensors["pending"] = self.publisher.tensors_of(pending.requests[0].policy_version)
+        if self.ema is not None and self.ema.tensors is not None:
+            tensors["ema"] = self.ema.tensors
+        data_state = (pending.data_state if pending is not None else
+                      None if self.feed.data is None else self.feed.data.state())
+        return save_checkpoint(self.run_dir, self.step, tensors, self.learner.optimizer, {
+            "sampling_versions": self.sampling_versions, "algorithm": self.cfg.algorithm.value,
+            "dropped_stale_rows": self.dropped_stale_rows,
+            "rollout_retries": self.rollout_retries, "generator": generator_state(self.gen),
+            "data_state": data_state,
+            "ema_updates": None if self.ema is None else self.ema.updates,
+            "config": self.cfg.model_dump(mode="json")})
 
     def resume(self) -> None:
+        """Restore the latest checkpoint; a config that differs from the checkpoint's (beyond
+        run length and outputs) is refused, naming the fields."""
         tensors, optimizer, state = load_checkpoint(self.run_dir)
-        for name, t in tensors.items():
-            self.learner.load_adapter(name, t)
+        if "config" in state:
+            check_resume_config(state["config"], self.cfg)
+        for name in (TRAIN_ADAPTER, OLD_ADAPTER):
+            self.learner.load_adapter(name, tensors[name])
         self.learner.optimizer.load_state_dict(optimizer)
         self.step = int(state["step"])
         self.dropped_stale_rows = int(state.get("dropped_stale_rows", 0))
+        self.rollout_retries = int(state.get("rollout_retries", 0))
+        if "generator" in state:
+            set_generator_state(self.gen, state["generator"])
+        if self.feed.data is not None:
+            self.feed.restore(state.get("data_state"))
+        if self.ema is not None and "ema" in tensors:
+            self.ema.tensors = {k: v.clone() for k, v in tensors["ema"].items()}
+            self.ema.updates = int(state.get("ema_updates") or 0)
+        self._resume_pending = tensors.get("pending")
+
+    def publish_resumed(self) -> str | None:
+        """On resume: the in-flight batch's sampling version, published before the current one
+        (as the uninterrupted run had it) when it differs; returns it, or None."""
+        saved, self._resume_pending = self._resume_pending, None
+        if saved is None:
+            return None
+        role = OLD_ADAPTER if self.samples_with_old else TRAIN_ADAPTER
+        current, scale = self.learner.export(role)
+        if set(saved) == set(current) and all(torch.equal(saved[k], current[k]) for k in saved):
+            return None
+        version, _ = self.publisher.publish(f"inflight-{self.step}", self.step, saved, scale)
+        self.sampling_versions.append(version)
+        return version
 
 
 def _mean(values) -> float:

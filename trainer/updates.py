@@ -115,7 +115,7 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
     adapter = learner.adapter
     states, rewards, groups, versions = [], [], [], []
     scores: dict[str, list[float]] = {}
-    values: dict[str, list[float]] = {}
+    per_scorer: dict[str, list[float]] = {}
     for out, sampling in zip(outputs, samplings):
         if out.rewards is None:
             raise InvalidRequestError("rollout came back without rewards (no scorer configured)",
@@ -130,7 +130,7 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
             for key, values in so.scores.items():
                 scores.setdefault(f"{name}/{key}", []).extend(v for v in values if v is not None)
         for name, vals in out.rewards.values.items():
-            values.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
+            per_scorer.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
     repeats = [len(o.seeds) for o in outputs]
     cond = repeat_rows(learner.encode(prompts), repeats)
     windows = _window_groups([o.trajectory for o in outputs], repeats)
@@ -138,7 +138,7 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
                  cond, windows[0][1] if len(windows) == 1 else None, tuple(versions),
                  scores, samplings[0],
-                 {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()},
+                 {k: torch.tensor(v, dtype=torch.float64) for k, v in per_scorer.items()},
                  weights, windows)
 
 
