@@ -32,7 +32,7 @@ from contract import (ArtifactSpec, InvalidRequestError, LimitExceededError, Med
 JSON_SCALARS = (str, int, float, bool, type(None))
 
 
-def _png(image_chw: np.ndarray) -> str:
+def png_base64(image_chw: np.ndarray) -> str:
     from PIL import Image
     buf = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(image_chw.transpose(1, 2, 0))).save(buf, format="PNG")
@@ -52,10 +52,10 @@ def encode_artifact(art: MediaArtifact) -> dict[str, Any]:
     data = art.data.cpu().numpy()
     modality = art.spec.modality
     if modality == Modality.IMAGE:
-        return {"modality": "image", "format": "png", "items": [_png(x) for x in data]}
+        return {"modality": "image", "format": "png", "items": [png_base64(x) for x in data]}
     if modality == Modality.VIDEO:
         return {"modality": "video", "format": "png", "fps": float(art.fps),
-                "items": [[_png(f) for f in clip] for clip in data]}
+                "items": [[png_base64(f) for f in clip] for clip in data]}
     return {"modality": "audio", "format": "wav", "sample_rate": int(art.sample_rate),
             "items": [_wav(x, int(art.sample_rate)) for x in data]}
 
