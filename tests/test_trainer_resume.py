@@ -151,3 +151,22 @@ def test_resume_with_a_changed_config_names_the_fields(graph, tmp_path, prompt_f
     longer = Trainer(_config(tmp_path / "run", prompt_file, "nft_async", steps=3, resume=True))
     longer.resume()                                  # a longer run is the same run
     assert longer.step == 1
+
+
+def test_gallery_and_wandb_from_a_real_run(graph, tmp_path, prompt_file):
+    """A short run with W&B offline: config, per-step metrics and the captioned gallery grid
+    (held-out prompts, per-scorer rewards, step 0 beside now) land in the local W&B run."""
+    from PIL import Image
+
+    from trainer.loop import Trainer
+    cfg = _config(tmp_path / "run", prompt_file, "nft_async", steps=2, gallery=True,
+                  wandb={"enabled": True, "mode": "offline", "project": "omni-test"})
+    Trainer(cfg).run()
+    grid = Image.open(tmp_path / "run" / "gallery" / "gallery.png")
+    assert grid.width > 4 * 32 and grid.height > 2 * 32     # 2 prompts x (step 0 | now)
+    [run_dir] = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    data = next(run_dir.glob("run-*.wandb")).read_bytes()
+    for needle in (b"reward_mean", b"eval_reward_mean", b"loss", b"samples_per_prompt",
+                   b"image_attributes", b"left: step 0"):
+        assert needle in data, needle
+    assert len(list((run_dir / "files" / "media").rglob("*.png"))) >= 2      # step 0 and 2

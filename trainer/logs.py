@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -11,15 +12,55 @@ from safetensors.torch import load_file, save_file
 from contract import ConfigError
 
 
+class WandbRun:
+    """A Weights & Biases run beside TensorBoard. Offline mode writes a local run under
+    <run_dir>/wandb/offline-run-*/ (no network; `wandb sync` uploads it later); a resumed run
+    continues the same run id (kept in <run_dir>/wandb_id)."""
+
+    def __init__(self, run_dir: Path, mode: str, project: str, name: str | None,
+                 config: Mapping[str, Any], resume: bool):
+        import wandb
+        id_file = run_dir / "wandb_id"
+        run_id = (id_file.read_text().strip() if resume and id_file.is_file()
+                  else uuid.uuid4().hex[:8])
+        id_file.write_text(run_id)
+        self._wandb = wandb
+        self.run = wandb.init(project=project, name=name or run_dir.name, id=run_id,
+                              dir=str(run_dir), mode=mode, config=dict(config), resume="allow",
+                              settings=wandb.Settings(silent=True, console="off",
+                                                      x_disable_stats=True))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                     step=step)
+
+    def log_media(self, step: int, images: Sequence[tuple[Path, str]] = (),
+                  videos: Sequence[tuple[Path, str]] = ()) -> None:
+        """images / videos: (file, caption); videos are MP4s with their audio track."""
+        media = {}
+        for i, (path, caption) in enumerate(images):
+            media[f"gallery/image_{i}"] = self._wandb.Image(str(path), caption=caption)
+        for i, (path, caption) in enumerate(videos):
+            media[f"gallery/video_{i}"] = self._wandb.Video(str(path), caption=caption,
+                                                            format="mp4")
+        if media:
+            self.run.log(media, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: Path, fresh: bool = True):
-        """fresh: a new run starts metrics.jsonl empty; a resumed run appends to it."""
+    def __init__(self, run_dir: Path, fresh: bool = True, wandb: WandbRun | None = None):
+        """fresh: a new run starts metrics.jsonl empty; a resumed run appends to it.
+        wandb: a W&B run that receives the same scalars (and the gallery media)."""
         from torch.utils.tensorboard import SummaryWriter
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         if fresh:
             self.path.write_text("")
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = wandb
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **metrics}
@@ -29,9 +70,13 @@ class MetricsLogger:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
 
     def close(self) -> None:
         self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

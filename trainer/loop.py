@@ -26,7 +26,8 @@ from trainer import checks, gallery
 from trainer.algorithms import old_decay
 from trainer.config import PipelineMode, TrainerConfig
 from trainer.learner import Learner
-from trainer.logs import MetricsLogger, load_checkpoint, plot_reward_curve, save_checkpoint
+from trainer.logs import (MetricsLogger, WandbRun, load_checkpoint, plot_reward_curve,
+                          save_checkpoint)
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, refresh_old
 from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
@@ -70,7 +71,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.publisher = PolicyPublisher(self.graph.policy_store,
                                          f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
-        self.logger = MetricsLogger(self.run_dir, fresh=not cfg.resume)
+        tracker = (WandbRun(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
+                            cfg.model_dump(mode="json"), resume=cfg.resume)
+                   if cfg.wandb.enabled else None)
+        self.logger = MetricsLogger(self.run_dir, fresh=not cfg.resume, wandb=tracker)
+        self.evaluations = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.sampling_versions: list[str] = []
@@ -168,9 +173,30 @@ class Trainer:
                         if v is not None]
                 out[f"eval_{name}/{key}_mean"] = sum(vals) / max(len(vals), 1)
         if self.cfg.gallery:
-            gallery.record(self.run_dir, self.adapter, self.step, outputs)
+            path = gallery.record(self.run_dir, self.adapter, self.step, outputs,
+                                  prompts=[b.text or "" for b in self.eval_prompts])
+            self.log_gallery(path, outputs)
         out["eval_s"] = time.perf_counter() - t0
         return out
+
+    def log_gallery(self, path: Path, outputs: list[RolloutOutput]) -> None:
+        """The gallery's captioned grid (images) or clips with audio to W&B, with their prompt,
+        rewards and step, every `wandb.media_every` evaluations."""
+        self.evaluations += 1
+        run = self.logger.wandb
+        if run is None or (self.evaluations - 1) % self.cfg.wandb.media_every:
+            return
+        if path.suffix == ".png":
+            run.log_media(self.step, images=[(path, f"step {self.step} (left: step 0); rows: "
+                                                   "held-out prompts, captions: rewards")])
+            return
+        captions = gallery.sample_captions(outputs)
+        group = len(outputs[0].seeds)
+        tag = "step0" if self.step == 0 else "now"
+        clips = [(path / f"{tag}_prompt{i}.mp4",
+                  f"step {self.step} | {self.eval_prompts[i].text} | {captions[i * group]}")
+                 for i in range(len(outputs)) if (path / f"{tag}_prompt{i}.mp4").is_file()]
+        run.log_media(self.step, videos=clips)
 
     # ---- start-up checks -----------------------------------------------------------------------
     def startup_checks(self) -> dict[str, float]:
