@@ -1,0 +1,46 @@
+"""Run state pieces: the evaluation EMA, the generator round trip, the config diff on resume."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contract import ConfigError
+from trainer.config import EMAConfig, TrainerConfig
+from trainer.run_state import (PolicyEMA, check_resume_config, config_diff, generator_state,
+                               set_generator_state)
+
+
+def test_ema_decay_every_and_warmup():
+    ema = PolicyEMA(EMAConfig(enabled=True, decay=0.9, every=2))
+    ema.update(0, {"w": torch.zeros(3)})                       # initialised from the weights
+    ema.update(1, {"w": torch.ones(3)})                        # not an update step
+    assert torch.equal(ema.tensors["w"], torch.zeros(3))
+    ema.update(2, {"w": torch.ones(3)})
+    torch.testing.assert_close(ema.tensors["w"], torch.full((3,), 0.1))
+    warm = PolicyEMA(EMAConfig(enabled=True, decay=0.9, warmup=True))
+    warm.update(0, {"w": torch.zeros(1)})
+    for k, step in enumerate((1, 2)):                          # d_k = min(0.9, (1+k)/(10+k))
+        warm.update(step, {"w": torch.ones(1)})
+    d0, d1 = 1 / 10, 2 / 11
+    torch.testing.assert_close(warm.tensors["w"], torch.tensor([1 - d1 * d0]))
+
+
+def test_generator_state_round_trip():
+    gen = torch.Generator().manual_seed(5)
+    torch.randn(7, generator=gen)
+    saved = generator_state(gen)
+    want = torch.randn(4, generator=gen)
+    other = torch.Generator().manual_seed(99)
+    set_generator_state(other, saved)
+    assert torch.equal(torch.randn(4, generator=other), want)
+
+
+def test_config_diff_ignores_run_length_and_names_the_rest():
+    a = TrainerConfig().model_dump(mode="json")
+    b = TrainerConfig(steps=500, run_dir="elsewhere", eval={"every": 50},
+                      advantage={"std": "group"}, seed=3).model_dump(mode="json")
+    assert [d[0] for d in config_diff(a, b)] == ["advantage.std", "seed"]
+    with pytest.raises(ConfigError) as e:
+        check_resume_config(a, TrainerConfig(seed=3))
+    assert e.value.field == "seed" and e.value.expected == {"seed": 0}
+    check_resume_config(a, TrainerConfig(steps=999))
