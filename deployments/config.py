@@ -71,6 +71,47 @@ class EncoderStage(StageOptions):
     device: str = Field("cpu", description="torch device of the encoder (and its shards).")
 
 
+class ScorerRuntimeEnv(Model):
+    """A scorer replica's own Ray runtime_env: packages the graph's environment lacks (or pins
+    differently) are installed into a virtualenv of that replica alone, on top of the graph's
+    site-packages, so a scorer with conflicting dependencies runs beside the others."""
+
+    pip: tuple[str, ...] = Field((), description="requirement specifiers (or local wheel "
+                                 "paths) installed for the replica by pip")
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ScorerRuntimeEnv":
+        for i, spec in enumerate(self.pip):
+            if not spec.strip() or spec.lstrip().startswith("-"):
+                raise ValueError(f"pip[{i}] must be a requirement specifier, got {spec!r}")
+        return self
+
+    def to_ray(self) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        if self.pip:
+            env["pip"] = {"packages": list(self.pip), "pip_check": False}
+        if self.env_vars:
+            env["env_vars"] = dict(self.env_vars)
+        return env
+
+
+class ScorerStageOptions(StageOptions):
+    """A scorer deployment's resources, plus its own environment and custom Ray resources."""
+
+    runtime_env: ScorerRuntimeEnv | None = None
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray "
+                                        "resources per replica, e.g. {'reward_node': 1}")
+
+    def deployment_options(self, name: str) -> dict[str, Any]:
+        opts = super().deployment_options(name)
+        if self.runtime_env is not None:
+            opts["ray_actor_options"]["runtime_env"] = self.runtime_env.to_ray()
+        if self.resources:
+            opts["ray_actor_options"]["resources"] = dict(self.resources)
+        return opts
+
+
 class ScorerStage(Model):
     """One scorer deployment (a scorer family): what it is, what it reads, how it counts."""
 
@@ -79,7 +120,7 @@ class ScorerStage(Model):
     inputs: tuple[str, ...] = Field(min_length=1, description="Decoded artifact names it reads.")
     reward: ScorerWeight = Field(default_factory=ScorerWeight,
                                  description="Weight, required/optional policy, timeout.")
-    stage: StageOptions = Field(default_factory=StageOptions)
+    stage: ScorerStageOptions = Field(default_factory=ScorerStageOptions)
     max_batch_size: int = Field(8, ge=1, description="@serve.batch micro-batch (requests).")
     batch_wait_timeout_s: float = Field(0.01, ge=0)
 
