@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# The default suite shares one local Ray cluster; the `cluster` suite starts its own two-node
+# cluster on loopback, so it runs in a pytest process of its own.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m cluster tests/test_cluster.py
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer.demo

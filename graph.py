@@ -19,42 +19,78 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from adapters.registry import get_adapter
+from adapters.registry import get_family
 from contract import Representation
 from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
+from deployments.placement import (StageDemand, check_placement, demand_from_options,
+                                   into_bundles, live_nodes)
 from deployments.rollout import DiTRolloutServer
 from deployments.scorer import ScorerServer
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_t2i.yaml"
 
 
-def build_encoder(config: GraphConfig) -> Application:
+def encoder_options(config: GraphConfig) -> dict[str, Any]:
     opts = config.encoder.deployment_options("TextEncoder")
     enc = config.encoder
     opts.update(TextEncoderServer.deployment_options(
         enc.etp, enc.num_cpus_per_shard, enc.num_cpus, enc.num_gpus, enc.num_gpus_per_shard,
-        enc.device))
-    return serve.deployment(TextEncoderServer, **opts).bind(
-        config.adapter, config.weights_path, enc.etp, enc.device)
+        enc.device, enc.memory_bytes))
+    return into_bundles(opts)          # custom resources / labels onto the ETP group's bundles
+
+
+def decoded_latents(config: GraphConfig) -> list[str]:
+    """Latent kinds with a decoded artifact: one Decoder deployment each."""
+    io_spec = get_family(config.adapter, config.weights_path, config.adapter_options).io_spec
+    return sorted({a.source for a in io_spec.artifacts
+                   if a.representation == Representation.DECODED})
+
+
+def stage_options(config: GraphConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Deployment name -> (its config field, its Serve options): the one derivation the build_*
+    functions, the placement check and the cluster manifests use."""
+    out = {"TextEncoder": ("encoder", encoder_options(config)),
+           "DiTRollout": ("rollout_stage",
+                          config.rollout_stage.deployment_options("DiTRollout"))}
+    for latent in decoded_latents(config):
+        name = f"Decoder_{latent}"
+        out[name] = ("decoder", config.decoder.deployment_options(name))
+    for i, spec in enumerate(config.scorers):
+        name = f"Scorer_{spec.name}"
+        out[name] = (f"scorers[{i}].stage", spec.stage.deployment_options(name))
+    out["RolloutGraph"] = ("ingress", config.ingress.deployment_options("RolloutGraph"))
+    return out
+
+
+def stage_demands(config: GraphConfig) -> list[StageDemand]:
+    """One replica's resources and label selector per deployment."""
+    return [demand_from_options(field, opts) for field, opts in stage_options(config).values()]
+
+
+def build_encoder(config: GraphConfig) -> Application:
+    enc = config.encoder
+    return serve.deployment(TextEncoderServer, **encoder_options(config)).bind(
+        config.adapter, config.weights_path, enc.etp, enc.device, enc.dtype,
+        config.adapter_options)
 
 
 def build_rollout(config: GraphConfig) -> Application:
     opts = config.rollout_stage.deployment_options("DiTRollout")
-    return serve.deployment(DiTRolloutServer, **opts).bind(config.rollout, config.policy_store)
+    return serve.deployment(DiTRolloutServer, **opts).bind(config.rollout, config.policy_store,
+                                                           config.limits)
 
 
 def build_decoders(config: GraphConfig) -> dict[str, Application]:
-    io_spec = get_adapter(config.adapter).io_spec
-    latents = sorted({a.source for a in io_spec.artifacts
-                      if a.representation == Representation.DECODED})
     return {latent: serve.deployment(DecoderServer,
                                      **config.decoder.deployment_options(f"Decoder_{latent}")
                                      ).bind(config.adapter, config.weights_path, latent,
-                                            config.http.max_preview_pixels)
-            for latent in latents}
+                                            config.http.max_preview_pixels,
+                                            config.decoder.device, config.decoder.dtype,
+                                            config.adapter_options)
+            for latent in decoded_latents(config)}
 
 
 def build_scorers(config: GraphConfig) -> dict[str, Application]:
@@ -65,8 +101,14 @@ def build_scorers(config: GraphConfig) -> dict[str, Application]:
 
 
 def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
-    """Serve application builder (`import_path: graph:build_app` + `args:`)."""
+    """Serve application builder (`import_path: graph:build_app` + `args:`). Connected to a
+    cluster (`serve run`, a Serve config deploy, `ray.init` then `serve.run`), it first checks
+    that every stage fits on some node (deployments/placement.py): a ConfigError naming the
+    stage and the resource instead of replicas that never schedule."""
     config = load_graph_config(args)
+    import ray
+    if ray.is_initialized():
+        check_placement(stage_demands(config), live_nodes())
     ingress = serve.deployment(RolloutGraph, **config.ingress.deployment_options("RolloutGraph"))
     return ingress.bind(config, build_encoder(config), build_rollout(config),
                         build_decoders(config), build_scorers(config))

@@ -19,7 +19,7 @@ from diffusers.models.attention_processor import (Attention, AttnProcessor2_0,
                                                   JointAttnProcessor2_0)
 from torch import nn
 
-from adapters.base import LoRATargetMap
+from adapters.lora_targets import LoRATargetMap
 from contract import ConfigError, LoRAMapError
 
 # Unfused processor class -> its fused twin. Anything else is refused (never silently unfused).

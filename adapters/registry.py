@@ -1,20 +1,81 @@
-"""The explicit adapter registry: name -> adapter class (no import-time registration)."""
+"""The explicit family registry: name -> family class; `auto` reads the checkpoint's
+model_index.json `_class_name` (no import-time registration)."""
 from __future__ import annotations
 
-from adapters.base import DiffusionAdapter
-from adapters.tiny_t2i import TinyT2IAdapter
-from adapters.tiny_t2va import TinyT2VAAdapter
+from pathlib import Path
+from typing import Callable, Mapping
+
+from adapters.checkpoint import read_model_index
+from adapters.family import ModelFamily, NoOptions, parse_options
 from contract import ConfigError
 
-ADAPTERS: dict[str, type[DiffusionAdapter]] = {
-    "tiny_t2i": TinyT2IAdapter,
-    "tiny_t2va": TinyT2VAAdapter,
+AUTO = "auto"
+
+
+def _tiny_t2i(root, options):
+    from adapters.tiny_t2i import TinyT2IFamily
+    parse_options(NoOptions, options, "tiny_t2i")
+    return TinyT2IFamily(root)
+
+
+def _tiny_t2va(root, options):
+    from adapters.tiny_t2va import TinyT2VAFamily
+    parse_options(NoOptions, options, "tiny_t2va")
+    return TinyT2VAFamily(root)
+
+
+def _sd3(root, options):
+    from adapters.sd3 import SD3Family
+    return SD3Family(root, options)
+
+
+def _flux(root, options):
+    from adapters.flux import FluxFamily
+    return FluxFamily(root, options)
+
+
+# each builder imports its family module only when that family is asked for
+FAMILIES: dict[str, Callable[[str | Path | None, Mapping | None], ModelFamily]] = {
+    "tiny_t2i": _tiny_t2i,
+    "tiny_t2va": _tiny_t2va,
+    "sd3": _sd3,
+    "flux": _flux,
 }
 
+# model_index.json `_class_name` -> family name (what `adapter: auto` resolves)
+PIPELINE_CLASSES: dict[str, str] = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+}
 
-def get_adapter(name: str) -> DiffusionAdapter:
-    """A fresh adapter instance for `name`; ConfigError listing the known names otherwise."""
-    if name not in ADAPTERS:
-        raise ConfigError(f"unknown adapter {name!r}", field="adapter", expected=sorted(ADAPTERS),
-                          actual=name)
-    return ADAPTERS[name]()
+EMBEDDED = ("tiny_t2i", "tiny_t2va")     # families that ship their weights (path optional)
+
+
+def family_name(name: str, path: str | Path | None) -> str:
+    """Resolve `auto` from the checkpoint; check an explicit name against the registry."""
+    if name == AUTO:
+        if path is None:
+            raise ConfigError("adapter 'auto' needs a checkpoint path", field="weights_path",
+                              expected="a local diffusers checkpoint", actual=None)
+        cls = read_model_index(path)["_class_name"]
+        if cls not in PIPELINE_CLASSES:
+            raise ConfigError("no family serves this checkpoint's pipeline class",
+                              field="weights_path", expected=sorted(PIPELINE_CLASSES),
+                              actual=cls)
+        return PIPELINE_CLASSES[cls]
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown adapter {name!r}", field="adapter",
+                          expected=sorted([*FAMILIES, AUTO]), actual=name)
+    if path is None and name not in EMBEDDED:
+        raise ConfigError(f"{name} loads a local checkpoint: weights_path is required",
+                          field="weights_path", expected="a local diffusers checkpoint",
+                          actual=None)
+    return name
+
+
+def get_family(name: str, path: str | Path | None = None,
+               options: Mapping | None = None) -> ModelFamily:
+    """A family bound to its checkpoint folder (reads JSON configs only, loads no weights);
+    `options`: the family's own settings (config `rollout.adapter_options`)."""
+    return FAMILIES[family_name(name, path)](path, options)
+

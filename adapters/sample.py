@@ -1,66 +1,92 @@
-"""Draw images from an adapter for a person to look at (ODE Euler + classifier-free guidance).
+"""Sample media from a family in-process, for a person to look at (ODE + guidance).
 
     python -m adapters.sample --adapter tiny_t2i --prompt "a red circle at the top left on a \
 black background" --prompt "..." --num-samples 4 --out grid.png
+    python -m adapters.sample --adapter sd3 --weights /ckpt/sd3.5-medium --prompt "..." --out a.png
 
-The loop uses the project's diffusion math (schedule, time convention, CFG, Euler step); the
-rollout engine is the production path, this is the small offline one (also used for evaluation
-in scripts/pretrain_t2i.py).
+`generate` runs the graph's own denoising step (`diffusion.step.denoise_step`), per-row seeded
+initial noise (`diffusion.noise.initial_noise`) and the family's guidance decision, so a seed
+gives the same media here as in the rollout graph's ODE path. The graph is the production
+path (batched, stochastic, versioned); this is the small offline one (evaluation, reports).
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from PIL import Image, ImageDraw
+from torch import nn
 
-from adapters.base import Components, DiffusionAdapter, TextCondition
-from adapters.registry import get_adapter
-from contract import SamplingSpec, SamplerKind
-from diffusion.conventions import predict_velocity
-from diffusion.guidance import cfg_velocity
-from diffusion.samplers import ode_step
-from diffusion.schedule import flow_match_sigmas
+from adapters.family import ModelFamily
+from adapters.registry import get_family
+from contract import MediaRole, Representation, SamplerKind, SamplingSpec
+from diffusion.noise import initial_noise
+from diffusion.step import FrozenLatents, Guidance, denoise_step, doubles_rows
+
+
+@dataclass
+class LocalModels:
+    """Every component of a family in one process (an offline sampler needs all of them)."""
+
+    transformers: dict[str, nn.Module]
+    encoders: dict[str, nn.Module]
+    media: dict[str, nn.Module]
+    decoders: dict[str, dict[str, nn.Module]]      # latent name -> its decoder components
+
+    @classmethod
+    def load(cls, family: ModelFamily, dtype="float32", device="cpu") -> "LocalModels":
+        return cls(family.load_transformers(dtype, device), family.load_encoders(dtype, device),
+                   family.load_media_encoders(dtype, device),
+                   {latent: family.load_decoder(latent, dtype, device)
+                    for latent in family.spec.decoders})
 
 
 @torch.no_grad()
-def sample_latents(adapter: DiffusionAdapter, components: Components, prompts: Sequence[str],
-                   seeds: Sequence[int], num_steps: int = 20,
-                   guidance_scale: float = 3.0) -> torch.Tensor:
-    """One latent per (prompt, seed) row: (B, *S) fp32, B = len(prompts) = len(seeds)."""
-    sampling = SamplingSpec(sampler=SamplerKind.ODE, num_steps=num_steps,
-                            guidance_scale=guidance_scale, seeds=tuple(seeds))
-    shape = adapter.state_shape(sampling)
-    x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s)))
-                     for s in seeds])                                              # (B, *S)
-    cond = adapter.encode(components.text_encoder, adapter.tokenize(list(prompts)))
-    null = adapter.encode(components.text_encoder, adapter.tokenize([""] * len(prompts)))
-    both = TextCondition(torch.cat([null.hidden, cond.hidden]), torch.cat([null.mask, cond.mask]),
-                         torch.cat([null.pooled, cond.pooled]))
-    sigmas = flow_match_sigmas(num_steps, adapter.schedule_shift)                 # (T + 1,)
-
-    def model_fn(state: torch.Tensor, model_time: torch.Tensor) -> torch.Tensor:
-        return adapter.model_forward(components.transformer, state, model_time, both)
-
+def generate(family: ModelFamily, models: LocalModels, prompts: Sequence[str],
+             seeds: Sequence[int], num_steps: int = 20, guidance_scale: float = 3.0,
+             media: Mapping[MediaRole, torch.Tensor] | None = None,
+             negative_prompts: Sequence[str | None] | None = None,
+             **size: int) -> dict[str, torch.Tensor]:
+    """One row per (prompt, seed). media: role -> uint8 condition media shared by the rows.
+    size: height / width / num_frames over the family's defaults. Returns every artifact the
+    family declares: latents (B, ...) and decoded media (B, ...)."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"need one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
+    spec = family.spec
+    sampling = SamplingSpec(sampler=SamplerKind.ODE, num_steps=num_steps, noise_level=0.0,
+                            guidance_scale=guidance_scale, seeds=tuple(seeds),
+                            **{**spec.sampling_defaults, **size})
+    rows, shape = len(seeds), family.codec.state_shape(sampling)
+    bundles = family.conditioner.tokenize(list(prompts), negative_prompts)
+    cond = family.conditioner.encode(models.encoders, bundles)
+    uncond = None
+    if doubles_rows(spec.guidance, guidance_scale):
+        uncond = family.conditioner.encode(
+            models.encoders, [family.conditioner.unconditional(b) for b in bundles])
+    guidance = Guidance.of(spec.guidance, [guidance_scale] * rows, uncond)
+    mc = family.codec.encode_media(models.media, sampling, dict(media or {}))
+    frozen = None if mc.frozen is None else FrozenLatents(
+        mc.frozen.mask.expand(rows, *shape), mc.frozen.values.expand(rows, *shape))
+    inputs = {k: v.expand(rows, *v.shape[1:]) for k, v in mc.inputs.items()}
+    sigmas = family.sigmas(sampling)
+    x = initial_noise(seeds, shape)                                                 # (B, *S)
+    if frozen is not None:
+        x = frozen.apply(x)
     for i in range(num_steps):
-        sigma = sigmas[i].expand(2 * x.shape[0])                                  # (2B,)
-        v = predict_velocity(model_fn, torch.cat([x, x]), sigma, adapter.time_convention,
-                             adapter.model_time_scale)                            # (2B, *S)
-        v_uncond, v_cond = v.chunk(2)
-        v = cfg_velocity(v_uncond, v_cond, guidance_scale)
-        x = ode_step(x, v, sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])).prev_sample
-    return x
-
-
-def sample_images(adapter: DiffusionAdapter, components: Components, prompts: Sequence[str],
-                  seeds: Sequence[int], num_steps: int = 20,
-                  guidance_scale: float = 3.0) -> torch.Tensor:
-    """uint8 (B, 3, H, W) images of an image adapter (its first declared latent)."""
-    latent_name = adapter.io_spec.latent_needed(adapter.io_spec.defaults)[0]
-    latents = sample_latents(adapter, components, prompts, seeds, num_steps, guidance_scale)
-    return adapter.decode(components.decoders, latent_name, latents)
+        sigma, sigma_next = sigmas[i].expand(rows), sigmas[i + 1].expand(rows)
+        x = denoise_step(family.denoiser, models.transformers, x, sigma, sigma_next, cond,
+                         guidance, SamplerKind.ODE, 0.0, media=inputs,
+                         frozen=frozen).prev_sample
+    out = dict(family.codec.split_state(x, sampling))
+    for artifact in family.io_spec.artifacts:
+        if artifact.representation == Representation.DECODED:
+            out[artifact.name] = family.codec.decode(artifact.source,
+                                                     models.decoders[artifact.source],
+                                                     out[artifact.source], sampling)
+    return out
 
 
 def image_grid(images: torch.Tensor, rows: int, labels: Sequence[str] = (),
@@ -84,8 +110,8 @@ def image_grid(images: torch.Tensor, rows: int, labels: Sequence[str] = (),
 
 def main(argv: Sequence[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--adapter", default="tiny_t2i")
-    parser.add_argument("--weights", default=None, help="local weights dir (default: shipped)")
+    parser.add_argument("--adapter", default="tiny_t2i", help="family name or 'auto'")
+    parser.add_argument("--weights", default=None, help="local checkpoint (default: shipped)")
     parser.add_argument("--prompt", action="append", required=True)
     parser.add_argument("--num-samples", type=int, default=4, help="images per prompt")
     parser.add_argument("--steps", type=int, default=20)
@@ -94,11 +120,13 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    adapter = get_adapter(args.adapter)
-    components = adapter.load(args.weights)
+    family = get_family(args.adapter, args.weights)
+    models = LocalModels.load(family)
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     seeds = [args.seed + i for i in range(len(prompts))]
-    images = sample_images(adapter, components, prompts, seeds, args.steps, args.guidance)
+    out = generate(family, models, prompts, seeds, args.steps, args.guidance)
+    images = next(out[a.name] for a in family.io_spec.artifacts
+                  if a.representation == Representation.DECODED and a.layout.value == "CHW")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     image_grid(images, rows=len(args.prompt), labels=args.prompt).save(args.out)
     return args.out

@@ -1,70 +1,19 @@
-"""Sample clips from a video+audio adapter and write them as MP4 (H.264 + AAC) with PyAV.
-
-`generate_clips` is a plain deterministic (ODE) sampling loop for local inspection, evaluation and
-pretraining reports; the rollout engine does the real, batched, stochastic sampling. Time
-conversion goes through `diffusion.conventions.predict_velocity` (the one place), FL2VA conditions
-through the adapter's `encode_media` / `apply_conditions` before every step and at the end.
+"""Clips from a video+audio family as MP4 (H.264 + AAC) with PyAV, and frame grids.
 
     python -m adapters.sample_clip --prompt "a red square bouncing left and right with low beeps" \
         --out /tmp/clip.mp4 [--grid /tmp/clip.png]
+
+Sampling is `adapters.sample.generate` (the graph's denoising step, ODE); this module writes it.
 """
 from __future__ import annotations
 
 import argparse
 import fractions
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
-
-from adapters.base import Components, DiffusionAdapter
-from contract import MediaRole, SamplingSpec
-from diffusion.conventions import predict_velocity
-from diffusion.guidance import cfg_velocity
-from diffusion.samplers import ode_step
-from diffusion.schedule import flow_match_sigmas
-
-
-@torch.no_grad()
-def generate_clips(adapter: DiffusionAdapter, components: Components, prompts: Sequence[str],
-                   seeds: Sequence[int], num_steps: int = 20, guidance_scale: float = 3.0,
-                   media: Mapping[MediaRole, torch.Tensor] | None = None,
-                   num_frames: int = 8, size: int = 32) -> dict[str, torch.Tensor]:
-    """One row per (prompt, seed) pair. media: role -> uint8 (B, 3, H, W) condition frames.
-    Returns the latent artifacts and the decoded ones: video (B,T,3,H,W) u8, audio (B,C,N) f32."""
-    if len(prompts) != len(seeds):
-        raise ValueError(f"need one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
-    sampling = SamplingSpec(seeds=tuple(seeds), num_steps=num_steps, num_frames=num_frames,
-                            height=size, width=size, guidance_scale=guidance_scale)
-    shape = adapter.state_shape(sampling)
-    cond = adapter.encode(components.text_encoder, adapter.tokenize(prompts))
-    null = adapter.encode(components.text_encoder, [adapter.null_prompt()] * len(prompts))
-    cond_latents = adapter.encode_media(components, sampling, media or {})
-    x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s)))
-                     for s in seeds])                                             # (B, *S)
-    sigmas = flow_match_sigmas(num_steps, adapter.schedule_shift)
-    net = components.transformer
-    for i in range(num_steps):
-        x = adapter.apply_conditions(x, cond_latents)
-        sigma = sigmas[i].expand(x.shape[0])
-
-        def velocity(c):
-            return predict_velocity(
-                lambda s, t: adapter.model_forward(net, s, t, c, cond_latents), x, sigma,
-                adapter.time_convention, adapter.model_time_scale)
-
-        v = velocity(cond)
-        if guidance_scale != 1.0:
-            v = cfg_velocity(velocity(null), v, guidance_scale)
-        x = ode_step(x, v, sigma, sigmas[i + 1].expand(x.shape[0])).prev_sample
-    x = adapter.apply_conditions(x, cond_latents)
-    latents = adapter.split_state(x, sampling)
-    out = dict(latents)
-    for spec in adapter.io_spec.artifacts:
-        if spec.source is not None:
-            out[spec.name] = adapter.decode(components.decoders, spec.source, latents[spec.source])
-    return out
 
 
 def write_mp4(path: str | Path, video: np.ndarray, fps: float, audio: np.ndarray,
@@ -101,24 +50,26 @@ def frame_grid(videos: np.ndarray, scale: int = 4) -> np.ndarray:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from adapters.tiny_t2va import TinyT2VAAdapter
+    from adapters.registry import get_family
+    from adapters.sample import LocalModels, generate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--adapter", default="tiny_t2va")
     p.add_argument("--prompt", action="append", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=3.0)
-    p.add_argument("--weights", default=None, help="weights directory (default: shipped)")
+    p.add_argument("--weights", default=None, help="checkpoint directory (default: shipped)")
     p.add_argument("--out", required=True, help="MP4 path; several prompts get _<i> suffixes")
     p.add_argument("--grid", default=None, help="optional PNG frame grid of all clips")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    adapter = TinyT2VAAdapter()
-    components = adapter.load(args.weights)
+    family = get_family(args.adapter, args.weights)
     seeds = [args.seed + i for i in range(len(args.prompt))]
-    out = generate_clips(adapter, components, args.prompt, seeds, args.steps, args.guidance)
+    out = generate(family, LocalModels.load(family), args.prompt, seeds, args.steps,
+                   args.guidance)
     video, audio = out["video"].numpy(), out["audio"].numpy()
-    fps, sr = adapter.io_spec["video"].fps, adapter.io_spec["audio"].sample_rate
+    fps, sr = family.io_spec["video"].fps, family.io_spec["audio"].sample_rate
     for i in range(len(args.prompt)):
         path = Path(args.out) if len(args.prompt) == 1 else \
             Path(args.out).with_name(f"{Path(args.out).stem}_{i}.mp4")

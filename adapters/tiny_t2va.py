@@ -1,6 +1,6 @@
 """The embedded default text->video+audio model: MiniLM text encoder + toy joint AV DiT + 2 VAEs.
 
-Text: the same frozen all-MiniLM-L6-v2 as tiny_t2i, with tiny_t2i's own tokenize/encode (one
+Text: the same frozen all-MiniLM-L6-v2 conditioner as tiny_t2i (adapters/minilm.py; one
 tokenization, ids passed through unchanged). DiT: `TinyAVTransformer` (adapters/tiny_t2va_model.py)
 over [text | video latent | audio latent] tokens. Like the seed's joint audio-video model it reads
 DATA-PROGRESS time (model time = 1000 (1 - sigma)) and predicts the velocity toward the data; the
@@ -9,8 +9,10 @@ Video VAE: diffusers `AutoencoderKL` per frame, 32x32 RGB -> 4x8x8. Audio VAE: `
 (adapters/tiny_audio_vae.py: a 1-D KL autoencoder with Oobleck's interface; Oobleck itself was
 measured too slow for the one-core pretraining budget), 16 kHz mono, 160x down -> 8 x 100.
 Sampler state: one flat vector per row = [video latent (4*8*8*8) | audio latent (8*100)].
-Tasks: T2VA, and FL2VA with first/last frames encoded by the video VAE and written into the state
-as clean, frozen latents (`apply_conditions`), flagged per token as conditions.
+Tasks: T2VA, and FL2VA with first/last frames encoded by the video VAE and held in the state as
+clean, frozen latents (`diffusion.step.FrozenLatents`, not scored by the log-prob), flagged per
+token as conditions (media input "frame_flags").
+Components: "text_encoder" (MiniLM), "transformer", "video_vae", "audio_vae".
 Weights: adapters/weights/tiny_t2va/{transformer,video_vae,audio_vae}/ + adapter.json.
 """
 from __future__ import annotations
@@ -24,13 +26,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters import inference_form
-from adapters.base import Components, DiffusionAdapter, LoRATarget, LoRATargetMap, TextCondition
-from adapters.tiny_t2i import TinyT2IAdapter, TinyT2IConfig, vae_decode, vae_encode
+from adapters.checkpoint import resolve_dtype
+from adapters.family import Codec, FamilySpec, MediaCondition, ModelFamily
+from adapters.lora_targets import LoRATarget, LoRATargetMap
+from adapters.minilm import MiniLMConditioner, load_minilm, minilm_encoder_spec
 from adapters.tiny_audio_vae import TinyAudioVAE
+from adapters.tiny_t2i import vae_decode, vae_encode
 from adapters.tiny_t2va_model import TinyAVTransformer
-from contract import (ArtifactSpec, ConfigError, InvalidRequestError, IOSpec, Layout,
-                      MediaFormatError, MediaRole, Modality, PromptBundle, Representation,
+from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+                      IOSpec, Layout, MediaFormatError, MediaRole, Modality, Representation,
                       SamplingSpec, Task, TimeConvention)
+from diffusion.schedule import flow_match_sigmas
+from diffusion.step import FrozenLatents
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tiny_t2va"
 ADAPTER_CONFIG = "adapter.json"
@@ -89,96 +96,37 @@ def default_transformer_config(cfg: TinyT2VAConfig) -> dict:
                 heads=4, num_layers=4)
 
 
-class TinyT2VAAdapter(DiffusionAdapter):
-    """Text (+ first/last frame) -> 1 s of 8x32x32 video + 16 kHz mono audio."""
+COMPONENTS = {"transformer": TinyAVTransformer, "video_vae": AutoencoderKL,
+              "audio_vae": TinyAudioVAE}
 
-    name = "tiny_t2va"
-    io_spec = IOSpec(
-        artifacts=(
-            ArtifactSpec("video_latent", Modality.VIDEO, Representation.LATENT, Layout.LATENT_CTHW),
-            ArtifactSpec("audio_latent", Modality.AUDIO, Representation.LATENT, Layout.LATENT_CL),
-            ArtifactSpec("video", Modality.VIDEO, Representation.DECODED, Layout.TCHW, fps=8.0,
-                         source="video_latent"),
-            ArtifactSpec("audio", Modality.AUDIO, Representation.DECODED, Layout.CT,
-                         sample_rate=16000, source="audio_latent"),
-        ),
-        defaults=("video_latent", "audio_latent", "video", "audio"),
-    )
+
+class TinyAVDenoiser:
+    """state (B, S) flat [video | audio]; model time 1000 (1 - sigma) (DATA_PROGRESS); the
+    model predicts x0 - eps. media["frame_flags"] (B, T) marks frozen condition frames."""
+
     time_convention = TimeConvention.DATA_PROGRESS
-    tasks: Mapping[Task, tuple[MediaRole, ...]] = {
-        Task.T2VA: (), Task.FL2VA: (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)}
-    schedule_shift = 1.0
     model_time_scale = 1000.0
-    lora_map = LoRATargetMap(
-        targets=(LoRATarget("attn.to_q", "attn.to_qkv", 0, 3),
-                 LoRATarget("attn.to_k", "attn.to_qkv", 1, 3),
-                 LoRATarget("attn.to_v", "attn.to_qkv", 2, 3),
-                 LoRATarget("attn.to_out.0", "attn.to_out.0")),
-        fc1_train_suffix="ff.net.0.proj", fc1_infer_suffix="ff.net.0.proj",
-        fc1_shards=2, fc1_shard_order=(1, 0))
 
-    def __init__(self, config: TinyT2VAConfig | None = None):
-        self._set_config(config or TinyT2VAConfig())
+    def __init__(self, codec: "TinyT2VACodec"):
+        self.codec = codec
 
-    def _set_config(self, config: TinyT2VAConfig) -> None:
+    def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
+        video, audio = self.codec.unpack(state)
+        flags = (media or {}).get("frame_flags")
+        if flags is None:
+            flags = torch.zeros(state.shape[0], self.codec.config.num_frames, dtype=torch.bool,
+                                device=state.device)
+        v_out, a_out = models["transformer"](video, audio, model_time, cond["hidden"],
+                                             cond["mask"], flags.expand(state.shape[0], -1))
+        return self.codec.pack(v_out, a_out)
+
+
+class TinyT2VACodec(Codec):
+    """Flat state [video latent (Cv*T*h*w) | audio latent (Ca*L)] <-> the two named latents."""
+
+    def __init__(self, config: TinyT2VAConfig):
         self.config = config
-        self._text = TinyT2IAdapter(TinyT2IConfig(max_text_tokens=config.max_text_tokens,
-                                                  text_encoder=config.text_encoder))
 
-    # ---- components -------------------------------------------------------------------
-    def build(self, seed: int = 0) -> Components:
-        """Freshly initialised components (the starting point of pretraining)."""
-        torch.manual_seed(seed)
-        return Components(
-            text_encoder=self._text.load_text_encoder(),
-            transformer=TinyAVTransformer(**default_transformer_config(self.config)).eval(),
-            decoders={"video_latent": AutoencoderKL(**default_video_vae_config()).eval(),
-                      "audio_latent": TinyAudioVAE(**default_audio_vae_config()).eval()})
-
-    def load(self, path: str | None = None) -> Components:
-        root = Path(path) if path is not None else SHIPPED_WEIGHTS
-        parts = ("transformer", "video_vae", "audio_vae")
-        missing = [str(p) for p in [root / ADAPTER_CONFIG] + [root / d / "config.json" for d in parts]
-                   if not p.is_file()]
-        if missing:
-            raise ConfigError(f"{self.name} weights are incomplete", field="path",
-                              expected=f"{ADAPTER_CONFIG}, " + ", ".join(parts), actual=missing)
-        self._set_config(TinyT2VAConfig.model_validate_json((root / ADAPTER_CONFIG).read_text()))
-        f32 = dict(torch_dtype=torch.float32)
-        transformer = TinyAVTransformer.from_pretrained(root / "transformer", **f32)
-        video_vae = AutoencoderKL.from_pretrained(root / "video_vae", **f32)
-        audio_vae = TinyAudioVAE.from_pretrained(root / "audio_vae", **f32)
-        frozen = [m.eval().requires_grad_(False) for m in (transformer, video_vae, audio_vae)]
-        return Components(text_encoder=self._text.load_text_encoder(), transformer=frozen[0],
-                          decoders={"video_latent": frozen[1], "audio_latent": frozen[2]})
-
-    def save(self, components: Components, path: str | Path) -> None:
-        root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        components.transformer.save_pretrained(root / "transformer", safe_serialization=True)
-        components.decoders["video_latent"].save_pretrained(root / "video_vae",
-                                                            safe_serialization=True)
-        components.decoders["audio_latent"].save_pretrained(root / "audio_vae",
-                                                            safe_serialization=True)
-        (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
-
-    def to_inference_form(self, transformer: nn.Module) -> nn.Module:
-        return inference_form.to_inference_form(transformer, self.lora_map)
-
-    # ---- prompts (shared with tiny_t2i: same encoder, same tokenizer, ids untouched) ----------
-    def tokenize(self, texts: Sequence[str]) -> list[PromptBundle]:
-        return self._text.tokenize(texts)
-
-    def null_prompt(self) -> PromptBundle:
-        return self._text.null_prompt()
-
-    def pad_token_ids(self, prompts: Sequence[PromptBundle]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._text.pad_token_ids(prompts)
-
-    def encode(self, text_encoder: nn.Module, prompts: Sequence[PromptBundle]) -> TextCondition:
-        return self._text.encode(text_encoder, prompts)
-
-    # ---- sampler state ----------------------------------------------------------------
     @property
     def video_latent_shape(self) -> tuple[int, int, int, int]:
         c = self.config
@@ -188,17 +136,12 @@ class TinyT2VAAdapter(DiffusionAdapter):
     def audio_latent_shape(self) -> tuple[int, int]:
         return (self.config.audio_latent_channels, self.config.audio_length)
 
-    @property
-    def sampling_defaults(self) -> Mapping[str, int]:
-        c = self.config
-        return {"height": c.image_size, "width": c.image_size, "num_frames": c.num_frames}
-
     def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
         c = self.config
         for name, want in (("height", c.image_size), ("width", c.image_size),
                            ("num_frames", c.num_frames)):
             if getattr(sampling, name) != want:
-                raise InvalidRequestError(f"{self.name} generates {c.num_frames} frames of "
+                raise InvalidRequestError(f"tiny_t2va generates {c.num_frames} frames of "
                                           f"{c.image_size}x{c.image_size}",
                                           field=f"sampling.{name}", expected=want,
                                           actual=getattr(sampling, name))
@@ -218,36 +161,26 @@ class TinyT2VAAdapter(DiffusionAdapter):
         return (state[:, :nv].reshape(b, *self.video_latent_shape),
                 state[:, nv:].reshape(b, *self.audio_latent_shape))
 
-    def model_forward(self, transformer: nn.Module, state: torch.Tensor,
-                      model_time: torch.Tensor, cond: TextCondition,
-                      media: Mapping[MediaRole, torch.Tensor] | None = None) -> torch.Tensor:
-        """state (B, S); model_time (B,) = 1000 (1 - sigma) -> raw output (B, S) = x0 - eps.
-        `media`: the condition latents in use (their roles flag the first/last frame tokens)."""
-        video, audio = self.unpack(state)
-        flags = torch.zeros(state.shape[0], self.config.num_frames, dtype=torch.bool,
-                            device=state.device)
-        for role in (media or {}):
-            flags[:, self._frame_index(role)] = True
-        v_out, a_out = transformer(video, audio, model_time, cond.hidden, cond.mask, flags)
-        return self.pack(v_out, a_out)
-
-    def split_state(self, state: torch.Tensor, sampling: SamplingSpec) -> dict[str, torch.Tensor]:
+    def split_state(self, state, sampling):
         video, audio = self.unpack(state)
         return {"video_latent": video, "audio_latent": audio}
 
-    def decode(self, decoders: Mapping[str, nn.Module], latent_name: str,
-               latent: torch.Tensor) -> torch.Tensor:
-        if latent_name not in ("video_latent", "audio_latent") or latent_name not in decoders:
-            raise InvalidRequestError(f"{self.name} decodes video_latent / audio_latent",
-                                      field="latent_name", expected=["video_latent", "audio_latent"],
-                                      actual=latent_name)
+    def join_state(self, latents, sampling):
+        return self.pack(latents["video_latent"], latents["audio_latent"]).float()
+
+    def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
+               sampling: SamplingSpec):
         with torch.no_grad():
             if latent_name == "video_latent":   # (B, C, T, h, w) -> (B, T, 3, H, W) uint8
                 b, c, t, h, w = latent.shape
-                frames = latent.to(torch.float32).permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
-                pixels = vae_decode(decoders[latent_name], frames)
+                frames = latent.float().permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+                pixels = vae_decode(modules["video_vae"], frames)
                 return pixels.reshape(b, t, *pixels.shape[1:])
-            return self.decode_audio(decoders[latent_name], latent)
+            if latent_name == "audio_latent":
+                return self.decode_audio(modules["audio_vae"], latent)
+        raise InvalidRequestError("tiny_t2va decodes video_latent / audio_latent",
+                                  field="latent_name", expected=["video_latent", "audio_latent"],
+                                  actual=latent_name)
 
     # ---- VAE helpers (also used by pretraining) -------------------------------------------
     def encode_video(self, vae: AutoencoderKL, video: torch.Tensor) -> torch.Tensor:
@@ -263,46 +196,152 @@ class TinyT2VAAdapter(DiffusionAdapter):
 
     def decode_audio(self, vae: TinyAudioVAE, latent: torch.Tensor) -> torch.Tensor:
         """DiT-space latent (B, Ca, L) -> float waveform (B, 1, N) in [-1, 1]."""
-        z = latent.to(torch.float32) / self.config.audio_latent_scale + self.config.audio_latent_shift
+        z = latent.float() / self.config.audio_latent_scale + self.config.audio_latent_shift
         return vae.decode(z).sample[..., :self.config.audio_samples].clamp(-1.0, 1.0)
 
     # ---- FL2VA conditions -------------------------------------------------------------
-    def _frame_index(self, role: MediaRole) -> int:
+    def frame_index(self, role: MediaRole) -> int:
         if role == MediaRole.FIRST_FRAME:
             return 0
         if role == MediaRole.LAST_FRAME:
             return self.config.num_frames - 1
-        raise InvalidRequestError(f"{self.name} takes first/last frame conditions only",
+        raise InvalidRequestError("tiny_t2va takes first/last frame conditions only",
                                   field="media.role", expected=[r.value for r in FRAME_ROLES],
                                   actual=getattr(role, "value", role))
 
-    def encode_media(self, components: Components, sampling: SamplingSpec,
-                     media: Mapping[MediaRole, torch.Tensor]) -> dict[MediaRole, torch.Tensor]:
+    def encode_frames(self, vae: AutoencoderKL,
+                      media: Mapping[MediaRole, torch.Tensor]) -> dict[MediaRole, torch.Tensor]:
         """uint8 frames (3, H, W) or (B, 3, H, W) -> clean latents (B or 1, Cv, h, w)."""
-        out = {}
-        size = self.config.image_size
+        out, size = {}, self.config.image_size
         for role, frame in media.items():
-            self._frame_index(role)
+            self.frame_index(role)
             frame = frame[None] if frame.ndim == 3 else frame
-            if frame.dtype != torch.uint8 or frame.ndim != 4 or tuple(frame.shape[1:]) != (3, size, size):
-                raise MediaFormatError("condition frame must be uint8 (3, H, W) at the model size",
-                                       field=f"media.{role.value}", expected=f"uint8 (3, {size}, {size})",
+            if frame.dtype != torch.uint8 or frame.ndim != 4 or \
+                    tuple(frame.shape[1:]) != (3, size, size):
+                raise MediaFormatError("condition frame must be uint8 (3, H, W) at the model "
+                                       "size", field=f"media.{role.value}",
+                                       expected=f"uint8 (3, {size}, {size})",
                                        actual=f"{frame.dtype} {tuple(frame.shape)}")
             with torch.no_grad():
-                out[role] = vae_encode(components.decoders["video_latent"], frame)
+                out[role] = vae_encode(vae, frame)
         return out
 
-    def apply_conditions(self, state: torch.Tensor,
-                         cond_latents: Mapping[MediaRole, torch.Tensor]) -> torch.Tensor:
-        """Overwrite the first/last latent frames of `state` (B, S) with the clean condition latents."""
-        if not cond_latents:
-            return state
-        video, audio = self.unpack(state)
-        video = video.clone()
-        for role, latent in cond_latents.items():
-            video[:, :, self._frame_index(role)] = latent.to(video.dtype).expand(
-                video.shape[0], *latent.shape[1:])
-        return self.pack(video, audio)
+    def frozen_frames(self, latents: Mapping[MediaRole, torch.Tensor]) -> FrozenLatents:
+        """Condition latents per role (1 or B, Cv, h, w) -> the state entries they hold,
+        (1 or B, S) each."""
+        rows = max(int(t.shape[0]) for t in latents.values())
+        video_mask = torch.zeros((1, *self.video_latent_shape), dtype=torch.bool)
+        video_values = torch.zeros((rows, *self.video_latent_shape))
+        for role, latent in latents.items():
+            i = self.frame_index(role)
+            video_mask[:, :, i] = True
+            video_values[:, :, i] = latent.float().cpu()
+        audio_zero = torch.zeros((1, *self.audio_latent_shape))
+        return FrozenLatents(self.pack(video_mask.float(), audio_zero).bool(),
+                             self.pack(video_values, audio_zero.expand(rows, -1, -1)))
+
+    def frame_flags(self, roles) -> torch.Tensor:
+        """(1, T) bool: the frames held as conditions (the model's per-token flag)."""
+        flags = torch.zeros(1, self.config.num_frames, dtype=torch.bool)
+        for role in roles:
+            flags[:, self.frame_index(role)] = True
+        return flags
+
+    def encode_media(self, modules, sampling, media) -> MediaCondition:
+        if not media:
+            return MediaCondition()          # T2VA
+        latents = self.encode_frames(modules["video_vae"], media)
+        return MediaCondition(frozen=self.frozen_frames(latents),
+                              inputs={"frame_flags": self.frame_flags(latents)})
+
+
+class TinyT2VAFamily(ModelFamily):
+    """Text (+ first/last frame) -> 1 s of 8x32x32 video + 16 kHz mono audio."""
+
+    packed_lora_map = LoRATargetMap(
+        targets=(LoRATarget("attn.to_q", "attn.to_qkv", 0, 3),
+                 LoRATarget("attn.to_k", "attn.to_qkv", 1, 3),
+                 LoRATarget("attn.to_v", "attn.to_qkv", 2, 3),
+                 LoRATarget("attn.to_out.0", "attn.to_out.0")),
+        fc1_train_suffix="ff.net.0.proj", fc1_infer_suffix="ff.net.0.proj",
+        fc1_shards=2, fc1_shard_order=(1, 0))
+
+    def __init__(self, root: str | Path | None = None, config: TinyT2VAConfig | None = None):
+        super().__init__(SHIPPED_WEIGHTS if root is None else root)
+        if config is None:
+            path = self.root / ADAPTER_CONFIG
+            if not path.is_file():
+                raise ConfigError("tiny_t2va weights are incomplete", field="weights_path",
+                                  expected=f"{ADAPTER_CONFIG}, " + ", ".join(COMPONENTS),
+                                  actual=str(path))
+            config = TinyT2VAConfig.model_validate_json(path.read_text())
+        self.set_config(config)
+
+    def set_config(self, config: TinyT2VAConfig) -> None:
+        self.config = config
+        self.spec = FamilySpec(
+            name="tiny_t2va",
+            io_spec=IOSpec(
+                artifacts=(
+                    ArtifactSpec("video_latent", Modality.VIDEO, Representation.LATENT,
+                                 Layout.LATENT_CTHW),
+                    ArtifactSpec("audio_latent", Modality.AUDIO, Representation.LATENT,
+                                 Layout.LATENT_CL),
+                    ArtifactSpec("video", Modality.VIDEO, Representation.DECODED, Layout.TCHW,
+                                 fps=config.fps, source="video_latent"),
+                    ArtifactSpec("audio", Modality.AUDIO, Representation.DECODED, Layout.CT,
+                                 sample_rate=config.sample_rate, source="audio_latent"),
+                ),
+                defaults=("video_latent", "audio_latent", "video", "audio")),
+            tasks={Task.T2VA: (), Task.FL2VA: FRAME_ROLES},
+            time_convention=TimeConvention.DATA_PROGRESS, model_time_scale=1000.0,
+            guidance=GuidanceKind.CFG,
+            transformers=("transformer",),
+            lora_targets={"transformer": ("attn.to_q", "attn.to_k", "attn.to_v",
+                                          "attn.to_out.0", "ff.net.0.proj")},
+            encoders=(minilm_encoder_spec(config.max_text_tokens),),
+            decoders={"video_latent": ("video_vae",), "audio_latent": ("audio_vae",)},
+            media_encoders=("video_vae",),
+            sampling_defaults={"height": config.image_size, "width": config.image_size,
+                               "num_frames": config.num_frames})
+        self.conditioner = MiniLMConditioner(self.spec, config.text_encoder)
+        self.codec = TinyT2VACodec(config)
+        self.denoiser = TinyAVDenoiser(self.codec)
+
+    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
+        return flow_match_sigmas(sampling.num_steps, shift=1.0)
+
+    # ---- components -------------------------------------------------------------------
+    def load(self, component: str, dtype=torch.float32, device="cpu"):
+        dtype = resolve_dtype(dtype, device)
+        if component == "text_encoder":
+            return load_minilm(self.config.text_encoder, dtype, device)
+        if component not in COMPONENTS:
+            raise ConfigError("tiny_t2va has no such component", field="component",
+                              expected=["text_encoder", *COMPONENTS], actual=component)
+        path = self.root / component
+        if not (path / "config.json").is_file():
+            raise ConfigError("tiny_t2va weights are incomplete", field="weights_path",
+                              expected=str(path / "config.json"), actual=str(self.root))
+        module = COMPONENTS[component].from_pretrained(path, dtype=dtype)
+        return module.to(device).eval().requires_grad_(False)
+
+    def build(self, seed: int = 0) -> dict[str, nn.Module]:
+        """Freshly initialised transformer and VAEs (the starting point of pretraining)."""
+        torch.manual_seed(seed)
+        return {"transformer": TinyAVTransformer(**default_transformer_config(self.config)).eval(),
+                "video_vae": AutoencoderKL(**default_video_vae_config()).eval(),
+                "audio_vae": TinyAudioVAE(**default_audio_vae_config()).eval()}
+
+    def save(self, modules: Mapping[str, nn.Module], path: str | Path) -> None:
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        for name in COMPONENTS:
+            modules[name].save_pretrained(root / name, safe_serialization=True)
+        (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
+
+    def to_inference_form(self, transformer: nn.Module) -> nn.Module:
+        return inference_form.to_inference_form(transformer, self.packed_lora_map)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -54,7 +54,7 @@ class InProcess:
         from rewards.registry import build_scorer
         from rollout.strategy import build_strategy
         self.encoder = TextEncoderServer(config.adapter, config.weights_path, 1, "cpu")
-        self.strategy = build_strategy(config.rollout)
+        self.strategy = build_strategy(config.rollout, config.limits)
         self.decoder = DecoderServer(config.adapter, config.weights_path, "image_latent",
                                      config.http.max_preview_pixels)
         self.scorers = {s.name: build_scorer(s.scorer) for s in config.scorers}
@@ -70,7 +70,8 @@ class InProcess:
         out = await self.strategy.generate(request, cond, None)
         t2 = time.perf_counter()
         latent = out.artifacts["image_latent"]
-        [image] = self.decoder._decode(latent, [self.decoder.outputs[0]], request.request_id)
+        [image] = self.decoder._decode(latent, [self.decoder.outputs[0]], request.request_id,
+                                       request.sampling)
         t3 = time.perf_counter()
         n = request.sampling.samples_per_prompt
         score_request = ScoreRequest(artifacts={"image": image},
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from adapters.registry import get_adapter
+    from adapters.registry import get_family
     from contract import RolloutRequest, SamplingSpec, Task
     from deployments.client import materialize
     from deployments.config import load_graph_config
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     from graph import build_app
 
     config = load_graph_config(graph_config(args.steps))
-    adapter = get_adapter("tiny_t2i")
-    bundle = adapter.tokenize([PROMPT])[0]
+    family = get_family("tiny_t2i")
+    bundle = family.conditioner.tokenize([PROMPT])[0]
 
     def request() -> RolloutRequest:
         return RolloutRequest(prompt=bundle, task=Task.T2I, requested_artifacts=(

@@ -28,12 +28,10 @@ from pathlib import Path
 
 import torch
 
-from adapters.registry import get_adapter
-from contract import ConfigError, RolloutRequest, SamplerKind, SamplingSpec, Task
-from diffusion.conventions import model_time, to_sigma_velocity
+from adapters.registry import get_family
+from contract import RolloutRequest, SamplerKind, SamplingSpec, Task
 from diffusion.noise import initial_noise, row_noise
-from diffusion.samplers import sampler_step
-from diffusion.schedule import flow_match_sigmas
+from diffusion.step import Guidance, denoise_step
 from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
 from rollout.engine import EmbeddedEngine
@@ -71,13 +69,13 @@ class PeakRSS:
         self.mib = (self.peak - self.start) / 2**20
 
 
-def _requests(adapter, components, n: int, steps: int) -> list[EngineRequest]:
-    prompts = adapter.tokenize([PROMPTS[i % len(PROMPTS)] for i in range(n)])
+def _requests(adapter, encoders, n: int, steps: int) -> list[EngineRequest]:
+    prompts = adapter.conditioner.tokenize([PROMPTS[i % len(PROMPTS)] for i in range(n)])
     out = []
     for i, prompt in enumerate(prompts):
         sampling = SamplingSpec(sampler=SamplerKind.SDE, num_steps=steps, seeds=(1000 + i,))
         rr = RolloutRequest(prompt=prompt, sampling=sampling, task=Task.T2I)
-        cond = adapter.encode(components.text_encoder, [prompt])
+        cond = adapter.conditioner.encode(encoders, [prompt])
         out.append(EngineRequest(rr, cond, None, ("image_latent",), {}, "base"))
     return out
 
@@ -94,23 +92,21 @@ def run_sequential(engine: EmbeddedEngine, requests: list[EngineRequest]) -> Non
 
 
 @torch.no_grad()
-def run_diffusers_loop(adapter, transformer, requests: list[EngineRequest]) -> None:
-    """The baseline: one request after another through the training-form diffusers model."""
+def run_diffusers_loop(adapter, models, requests: list[EngineRequest]) -> None:
+    """The baseline: one request after another, a plain loop of the denoising step."""
     for r in requests:
         sampling = r.request.sampling
-        shape = adapter.state_shape(sampling)
-        sigmas = flow_match_sigmas(sampling.num_steps, adapter.schedule_shift)
+        shape = adapter.codec.state_shape(sampling)
+        sigmas = adapter.sigmas(sampling)
         x = initial_noise(sampling.seeds, shape)
-        cond = r.cond
+        cond = r.cond.expand_rows(x.shape[0])
+        guidance = Guidance.none(x.shape[0])
         for j in range(sampling.num_steps):
             sigma = sigmas[j].expand(x.shape[0])
-            t = model_time(sigma, adapter.time_convention, adapter.model_time_scale)
-            v = to_sigma_velocity(adapter.model_forward(transformer, x, t, cond),
-                                  adapter.time_convention)
             kind = sampling.sampler if uses_sde(j, sampling.window) else SamplerKind.ODE
             noise = row_noise(sampling.seeds, j, shape) if kind != SamplerKind.ODE else None
-            x = sampler_step(kind, x, v, sigma, sigmas[j + 1].expand(x.shape[0]),
-                             sampling.noise_level, noise).prev_sample
+            x = denoise_step(adapter.denoiser, models, x, sigma, sigmas[j + 1].expand(x.shape[0]),
+                             cond, guidance, kind, sampling.noise_level, noise).prev_sample
 
 
 def measure(fn, repeats: int) -> float:
@@ -148,8 +144,7 @@ def plot(result: dict, path: Path) -> None:
 def _mode_runner(mode: str, engine, adapter, components, requests):
     return {"engine_concurrent": lambda: run_concurrent(engine, requests),
             "engine_sequential": lambda: run_sequential(engine, requests),
-            "diffusers_loop": lambda: run_diffusers_loop(adapter, components.transformer,
-                                                         requests)}[mode]
+            "diffusers_loop": lambda: run_diffusers_loop(adapter, components, requests)}[mode]
 
 
 def memory_in_fresh_process(mode: str, args) -> float:
@@ -173,13 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    adapter = get_adapter("tiny_t2i")
-    try:
-        components, weights = adapter.load(), "shipped"
-    except ConfigError:
-        components, weights = adapter.build(seed=0), "random"
-    requests = _requests(adapter, components, args.requests, args.steps)
-    engine = EmbeddedEngine(adapter, components, EngineLimits(max_batch_rows=args.requests))
+    adapter = get_family("tiny_t2i")
+    components, weights = adapter.load_transformers(), "shipped"
+    requests = _requests(adapter, adapter.load_encoders(), args.requests, args.steps)
+    engine = EmbeddedEngine(adapter, components, {}, EngineLimits(max_batch_rows=args.requests))
     if args.memory_mode is not None:               # child process of memory_in_fresh_process
         with PeakRSS() as mem:
             _mode_runner(args.memory_mode, engine, adapter, components, requests)()

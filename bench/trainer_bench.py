@@ -90,11 +90,13 @@ def run_loop(tmp: Path, mode: str, steps: int) -> dict:
 # ---- LoRA sync ------------------------------------------------------------------------------------
 def lora_tensors(rank: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
     """peft-named tensors on tiny_t2i's real LoRA targets at `rank` (random values)."""
-    from adapters.tiny_t2i import TinyT2IAdapter
+    from adapters.lora_targets import LoRATargetMap
+    from adapters.tiny_t2i import TinyT2IFamily
     from trainer.lora import LoRATrainConfig, attach_lora, export_lora, lora_scale
-    adapter = TinyT2IAdapter()
-    model = adapter.load().transformer
-    attach_lora(model, adapter.lora_map, LoRATrainConfig(rank=rank, alpha=rank))
+    family = TinyT2IFamily()
+    model = family.load("transformer")
+    attach_lora(model, LoRATargetMap.identity(family.spec.lora_targets["transformer"]),
+                LoRATrainConfig(rank=rank, alpha=rank))
     shapes = {k: v.shape for k, v in export_lora(model).items()}
     gen = torch.Generator().manual_seed(seed)
     return ({k: torch.randn(s, generator=gen) * 0.01 for k, s in shapes.items()},

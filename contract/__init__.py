@@ -1,7 +1,8 @@
 """The one vocabulary of omni-rollout. Every stage imports its types from here."""
 from contract.artifacts import (ArtifactSpec, IOSpec, MediaArtifact, collect_artifacts,
                                 validate_artifact)
-from contract.enums import (DECODED_LAYOUT, Algorithm, Layout, MediaRole, Modality,
+from contract.conditions import Condition, TokenIds
+from contract.enums import (DECODED_LAYOUT, Algorithm, GuidanceKind, Layout, MediaRole, Modality,
                             Representation, SamplerKind, ScoreStatus, StopReason, Task,
                             TimeConvention)
 from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
@@ -10,8 +11,10 @@ from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
                              MediaFormatError, MissingArtifactError, NonFiniteError,
                              OutputContractError, PolicyVersionError, QueueFullError,
                              ReplicaFailedError, RequestCancelledError, RolloutError,
-                             ScorerFailedError, StartupCheckError, UndeclaredArtifactError,
-                             UnexpectedArtifactError)
+                             ScorerFailedError, StageUnavailableError, StartupCheckError,
+                             UndeclaredArtifactError,
+                             UnexpectedArtifactError, UnscorableInputError,
+                             MalformedBodyError)
 from contract.transport import ArtifactHandle, GraphResult, PackedTensors, StageOutput
 from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, TokenOutput, Trajectory
 from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,

@@ -64,6 +64,14 @@ class SamplerKind(str, Enum):
     DPM2 = "dpm2"            # deterministic multistep DPM-Solver++(2M) (DiffusionNFT's solver)
 
 
+class GuidanceKind(str, Enum):
+    """How a family applies `guidance_scale` (decided once, in diffusion/step.py)."""
+
+    NONE = "none"            # no guidance input: guidance_scale must be 1
+    CFG = "cfg"              # true classifier-free guidance: rows doubled with the negative
+    EMBEDDED = "embedded"    # guidance-distilled: the scale is a model input, one forward
+
+
 class TimeConvention(str, Enum):
     """How a model reads time. Inside the project sigma=1 is noise, sigma=0 is data."""
 

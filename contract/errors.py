@@ -91,6 +91,17 @@ class MediaFormatError(InvalidRequestError):
     """Wrong dtype, layout, rank, or a missing fps / sample rate for a media tensor."""
 
 
+class MalformedBodyError(InvalidRequestError):
+    """An HTTP body that is not UTF-8 JSON of one object: bad encoding or syntax, nesting deeper
+    than the parser's bound, a duplicated key, or a number outside what JSON can carry."""
+
+
+class UnscorableInputError(InvalidRequestError):
+    """A required scorer cannot read an input the client supplied (a prompt outside the
+    verifier's vocabulary, condition media it cannot parse): the client's fault, never 5xx."""
+    http_status = 422
+
+
 # --- output validation (server-side, 5xx) --------------------------------------------------
 class OutputContractError(RolloutError):
     """A stage produced output that breaks the contract (never substituted, always raised)."""
@@ -118,6 +129,13 @@ class RequestCancelledError(RolloutError):
 
 class ReplicaFailedError(RolloutError):
     """The replica serving the request died; the request was not answered and may be retried."""
+    http_status = 503
+    retryable = True
+
+
+class StageUnavailableError(RolloutError):
+    """No replica of a stage took the request in time (its node was lost, its replicas are
+    restarting, or the policy store is being restored): nothing ran; retry later."""
     http_status = 503
     retryable = True
 

@@ -1,26 +1,183 @@
-"""The JSON body of POST /rollout. Unknown fields are rejected; sizes are bounded by RequestLimits
-at the ingress. Text prompts are tokenized once, at the ingress, by the adapter's tokenizer."""
+"""The JSON body of POST /rollout, parsed strictly and bounded before anything is allocated.
+
+`parse_rollout_body(body, limits)` is the one entry point. In order: the body's bytes against
+`max_body_bytes`; UTF-8; one JSON object with strict types (no string->bool/int coercion,
+no NaN/Infinity, nesting bounded by the parser, no duplicated keys); then every size against the
+graph's RequestLimits -- counts of prompts and artifacts, characters of each prompt, samples,
+steps, height/width/frames, guidance -- each a typed error naming the field. A request for 10**9
+samples is refused as a number, never expanded. Prompts are tokenized afterwards, once, at the
+ingress, by the adapter's tokenizer.
+"""
 from __future__ import annotations
 
-from pydantic import Field
+import json
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo
+from pydantic import field_validator, model_validator
 
 from contract.enums import SamplerKind, Task
-from contract.request import FrozenModel
+from contract.errors import InvalidRequestError, LimitExceededError, MalformedBodyError
+from contract.request import MAX_SEED, FrozenModel, RequestLimits
+
+MAX_NAME_CHARS = 128      # an artifact name or a policy version
+JSON_DEPTH_LIMIT = 200    # pydantic-core's JSON parser refuses deeper nesting (a valid body has 2)
+
+# HTTP field -> the RequestLimits bound it is checked against (value <= bound)
+_VALUE_BOUNDS = {"samples_per_prompt": "max_samples_per_prompt", "num_steps": "max_steps",
+                 "height": "max_height", "width": "max_width", "num_frames": "max_frames",
+                 "guidance_scale": "max_guidance_scale"}
+_COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
+                 "artifacts": "max_artifacts"}
 
 
 class HTTPRolloutRequest(FrozenModel):
+    """Validated from JSON only (`parse_rollout_body`): strict, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
+
     prompts: tuple[str, ...] = Field(min_length=1, description="One request (group) per prompt.")
+    negative_prompts: tuple[str, ...] | None = Field(
+        None, description="One negative prompt per prompt (CFG's unconditional branch); None = "
+                          "the family's null prompt. An empty string is a negative prompt too.")
     samples_per_prompt: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0, description="Row seeds are seed + row index (returned per sample).")
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="Row seeds are seed + row index (returned per sample).")
     num_steps: int = Field(10, ge=1)
     task: Task | None = Field(None, description="None = the adapter's first task.")
     sampler: SamplerKind = SamplerKind.SDE
-    noise_level: float = Field(0.7, ge=0.0, le=2.0)
+    noise_level: float = Field(0.7, ge=0.0, le=2.0, allow_inf_nan=False)
     sde_window: tuple[int, int] | None = None
-    guidance_scale: float = Field(1.0, ge=0.0)
+    guidance_scale: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     height: int | None = Field(None, ge=8)
     width: int | None = Field(None, ge=8)
     num_frames: int | None = Field(None, ge=1)
-    artifacts: tuple[str, ...] | None = Field(None, description="None = adapter defaults.")
+    artifacts: tuple[Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)],
+                     ...] | None = Field(None, description="None = adapter defaults.")
     include_media: bool = Field(False, description="Return small decoded media as data URLs.")
-    policy_version: str | None = None
+    policy_version: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
+
+    # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
+    @field_validator("prompts", "negative_prompts", "artifacts", mode="before")
+    @classmethod
+    def _check_count(cls, value: Any, info: ValidationInfo) -> Any:
+        limits = _limits(info)
+        if limits is not None and isinstance(value, (list, tuple)):
+            bound = getattr(limits, _COUNT_BOUNDS[info.field_name])
+            if len(value) > bound:
+                raise LimitExceededError(f"too many {info.field_name}", field=info.field_name,
+                                         expected=f"<= {bound}", actual=len(value))
+        # a JSON array reaches this hook as a list; strict validation after it wants the tuple
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("prompts")
+    @classmethod
+    def _check_prompts(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        limits = _limits(info)
+        for i, text in enumerate(value):
+            if limits is not None and len(text) > limits.max_prompt_chars:
+                raise LimitExceededError("prompt is too long (checked before tokenizing)",
+                                         field=f"prompts[{i}]",
+                                         expected=f"<= {limits.max_prompt_chars} characters",
+                                         actual=len(text))
+            if not text.strip():
+                raise InvalidRequestError("prompt is empty or whitespace only",
+                                          field=f"prompts[{i}]", expected="text",
+                                          actual=text)
+        return value
+
+    @field_validator(*_VALUE_BOUNDS)
+    @classmethod
+    def _check_bound(cls, value: float | None, info: ValidationInfo) -> float | None:
+        limits = _limits(info)
+        if limits is not None and value is not None:
+            bound = getattr(limits, _VALUE_BOUNDS[info.field_name])
+            if value > bound:
+                raise LimitExceededError(f"{info.field_name} is beyond the configured limit",
+                                         field=info.field_name, expected=f"<= {bound}",
+                                         actual=value)
+        return value
+
+    @field_validator("negative_prompts")
+    @classmethod
+    def _check_negatives(cls, value: tuple[str, ...] | None,
+                         info: ValidationInfo) -> tuple[str, ...] | None:
+        limits = _limits(info)
+        for i, text in enumerate(value or ()):
+            if limits is not None and len(text) > limits.max_prompt_chars:
+                raise LimitExceededError("negative prompt is too long (checked before "
+                                         "tokenizing)", field=f"negative_prompts[{i}]",
+                                         expected=f"<= {limits.max_prompt_chars} characters",
+                                         actual=len(text))
+        return value
+
+    @model_validator(mode="after")
+    def _check_negative_count(self) -> "HTTPRolloutRequest":
+        if self.negative_prompts is not None and len(self.negative_prompts) != len(self.prompts):
+            raise InvalidRequestError("one negative prompt per prompt", field="negative_prompts",
+                                      expected=len(self.prompts),
+                                      actual=len(self.negative_prompts))
+        return self
+
+    @model_validator(mode="after")
+    def _check_row_seeds(self) -> "HTTPRolloutRequest":
+        last = self.seed + len(self.prompts) * self.samples_per_prompt - 1
+        if last > MAX_SEED:
+            raise InvalidRequestError("row seeds (seed + row index) must stay below 2**64",
+                                      field="seed", expected=f"<= {MAX_SEED - (last - self.seed)}",
+                                      actual=self.seed)
+        return self
+
+
+def _limits(info: ValidationInfo) -> RequestLimits | None:
+    return (info.context or {}).get("limits")
+
+
+def parse_rollout_body(body: bytes | bytearray, limits: RequestLimits) -> HTTPRolloutRequest:
+    """Bytes of a POST /rollout body -> HTTPRolloutRequest, or a typed error (4xx).
+
+    Pydantic's ValidationError (a wrong type or value of a field) is raised as is; the ingress
+    answers it with 422 naming the field. Everything about the body as a whole is a
+    MalformedBodyError (400) or, for its size, a LimitExceededError (413).
+    """
+    if len(body) > limits.max_body_bytes:
+        raise LimitExceededError("request body too large", field="body",
+                                 expected=f"<= {limits.max_body_bytes} bytes", actual=len(body))
+    if not body.isascii():            # the parser reads UTF-8 itself; this names the offset
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MalformedBodyError("body is not UTF-8 text", field="body",
+                                     expected="UTF-8 JSON",
+                                     actual=f"invalid byte at offset {exc.start}") from None
+    try:
+        payload = HTTPRolloutRequest.model_validate_json(body, context={"limits": limits})
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise MalformedBodyError(f"body is not valid JSON: {first['msg']}", field="body",
+                                     expected=f"UTF-8 JSON nested at most {JSON_DEPTH_LIMIT} "
+                                              "deep") from None
+        if first["type"] == "model_type":
+            raise MalformedBodyError("body must be one JSON object", field="body",
+                                     expected="object") from None
+        raise
+    _reject_duplicate_keys(body)
+    return payload
+
+
+def _reject_duplicate_keys(body: bytes | bytearray) -> None:
+    """A key given twice is ambiguous (parsers disagree on which wins): refuse it. Runs on a body
+    that already validated, so it is one flat object of bounded scalars and short arrays."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise MalformedBodyError("duplicated key in the JSON body", field=key,
+                                         expected="each key once", actual=key)
+            seen.add(key)
+        return dict(items)
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as exc:   # pydantic parsed it first; kept typed anyway
+        raise MalformedBodyError(f"body is not valid JSON: {exc}", field="body") from None

@@ -31,6 +31,8 @@ class Trajectory:
     guidance_scale: float
     seeds: tuple[int, ...]
     policy_version: str
+    frozen_mask: torch.Tensor | None = None   # (1 or B, *S) bool: condition entries held fixed,
+                                              # not scored by the log-probs; None = none
 
     @property
     def num_steps(self) -> int:

@@ -19,6 +19,9 @@ from contract.errors import (ConflictingInputError, DuplicateInputError, Invalid
                              LimitExceededError, MediaFormatError, NonFiniteError,
                              UndeclaredArtifactError)
 
+MAX_SEED = 2**64 - 1            # row seeds are 64-bit generator seeds (diffusion/noise.py)
+MAX_REQUEST_ID_CHARS = 128
+
 
 class FrozenModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -27,16 +30,31 @@ class FrozenModel(BaseModel):
 class PromptBundle(FrozenModel):
     """Token ids of one prompt, exactly as the encoder's tokenizer produced them."""
 
-    token_ids: tuple[int, ...] = Field(description="Ids for the primary text encoder.")
+    token_ids: tuple[int, ...] = Field(description="Ids for the family's first text encoder.")
     attention_mask: tuple[int, ...] | None = Field(None, description="1 = real token, 0 = pad.")
-    negative_token_ids: tuple[int, ...] | None = Field(
-        None, description="Negative prompt ids; None = no negative prompt (unconditional branch "
-                          "uses the adapter's null condition); () = an explicitly empty prompt.")
     encoder_token_ids: Mapping[str, tuple[int, ...]] = Field(
-        default_factory=dict, description="Ids for additional named encoders.")
+        default_factory=dict, description="Ids for the family's other named encoders (SD3: "
+                                          "clip_g, t5), each from that encoder's tokenizer.")
+    negative: "PromptBundle | None" = Field(
+        None, description="The negative prompt, tokenized by the same tokenizers; None = no "
+                          "negative prompt (the unconditional branch uses the family's null "
+                          "prompt). A negative prompt of empty text is a bundle like any other.")
+    truncated: tuple[str, ...] = Field(
+        (), description="Encoders whose ids were cut to their window (an encoder declared to "
+                        "truncate, as its pipeline does); recorded, never silent.")
     processor_kwargs: Mapping[str, Any] = Field(default_factory=dict,
                                                 description="Forwarded to the model processor.")
     text: str | None = Field(None, description="The prompt text, for scorers and logging only.")
+
+    def ids_by_encoder(self, encoders: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+        """{encoder: ids} for a family whose encoders are `encoders` (the first one's ids are
+        `token_ids`). A missing or undeclared encoder is an error naming it."""
+        first, *rest = encoders
+        if set(self.encoder_token_ids) != set(rest):
+            raise InvalidRequestError("the prompt's token ids do not cover exactly the family's "
+                                      "encoders", field="prompt.encoder_token_ids",
+                                      expected=list(rest), actual=sorted(self.encoder_token_ids))
+        return {first: self.token_ids, **{name: self.encoder_token_ids[name] for name in rest}}
 
     # field validators (not a model validator) so a ValidationError's `loc` names the field
     @field_validator("token_ids")
@@ -44,6 +62,13 @@ class PromptBundle(FrozenModel):
     def _check_token_ids(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if len(value) == 0:
             raise ValueError("token_ids must not be empty")
+        return value
+
+    @field_validator("negative")
+    @classmethod
+    def _check_negative(cls, value: "PromptBundle | None") -> "PromptBundle | None":
+        if value is not None and value.negative is not None:
+            raise ValueError("a negative prompt has no negative prompt of its own")
         return value
 
     @field_validator("attention_mask")
@@ -66,8 +91,9 @@ class SamplingSpec(FrozenModel):
     sde_window: tuple[int, int] | None = Field(
         None, description="[start, end) steps that use the SDE; ODE outside. None = all steps "
                           "but the last.")
-    guidance_scale: float = Field(1.0, ge=0.0)
-    seeds: tuple[int, ...] = Field(description="One seed per row (len = samples_per_prompt).")
+    guidance_scale: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    seeds: tuple[int, ...] = Field(description="One seed per row (len = samples_per_prompt), "
+                                               "each in [0, 2**64).")
     height: int = Field(32, ge=8)
     width: int = Field(32, ge=8)
     num_frames: int = Field(1, ge=1)
@@ -100,6 +126,9 @@ class SamplingSpec(FrozenModel):
     def _check_seeds(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if len(value) == 0:
             raise ValueError("seeds must hold one seed per row (got none)")
+        bad = [s for s in value if not 0 <= s <= MAX_SEED]
+        if bad:
+            raise ValueError(f"a seed must be in [0, 2**64), got {bad[0]}")
         return value
 
     @field_validator("sde_window")
@@ -116,16 +145,22 @@ class SamplingSpec(FrozenModel):
 
 
 class RequestLimits(FrozenModel):
-    """Bounds a request may ask for (configured per deployment)."""
+    """Bounds a request may ask for: one set per graph (GraphConfig.limits), read by the HTTP
+    layer (contract/http.py, before any allocation), the ingress handle API and the rollout stage
+    (check_limits)."""
 
-    max_prompts: int = 16
-    max_samples_per_prompt: int = 32
-    max_steps: int = 100
-    max_height: int = 1024
-    max_width: int = 1024
-    max_frames: int = 129
-    max_tokens: int = 512
-    max_body_bytes: int = 1 << 20
+    max_prompts: int = Field(16, ge=1, description="Prompts (requests) in one call.")
+    max_samples_per_prompt: int = Field(32, ge=1, description="Rows (seeds) per prompt.")
+    max_steps: int = Field(100, ge=1)
+    max_height: int = Field(1024, ge=8)
+    max_width: int = Field(1024, ge=8)
+    max_frames: int = Field(129, ge=1)
+    max_tokens: int = Field(512, ge=1, description="Token ids per encoder, per prompt.")
+    max_prompt_chars: int = Field(4096, ge=1, description="Characters of one HTTP prompt, "
+                                  "checked before it is tokenized.")
+    max_artifacts: int = Field(16, ge=1, description="Names in requested_artifacts.")
+    max_guidance_scale: float = Field(100.0, gt=0)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Bytes of one HTTP body.")
 
 
 @dataclass(frozen=True)
@@ -149,6 +184,32 @@ class RolloutRequest:
     policy_version: str | None = None                    # None = the replica's latest
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Field types, so a wrong one is a typed error here, not an AttributeError in a stage."""
+        if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= \
+                MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id must be a string of 1..{MAX_REQUEST_ID_CHARS} "
+                                      "characters", field="request_id",
+                                      actual=type(self.request_id).__name__)
+        rid = self.request_id
+        checks = [("prompt", isinstance(self.prompt, PromptBundle), "PromptBundle"),
+                  ("sampling", isinstance(self.sampling, SamplingSpec), "SamplingSpec"),
+                  ("task", isinstance(self.task, Task), "Task"),
+                  ("media", self.media is None or isinstance(self.media, (tuple, list)),
+                   "tuple of MediaInput or None"),
+                  ("requested_artifacts", self.requested_artifacts is None or (
+                      isinstance(self.requested_artifacts, (tuple, list))
+                      and all(isinstance(n, str) for n in self.requested_artifacts)),
+                   "tuple of str or None"),
+                  ("policy_version", self.policy_version is None
+                   or isinstance(self.policy_version, str), "str or None"),
+                  ("metadata", isinstance(self.metadata, Mapping), "a mapping")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise InvalidRequestError("wrong type", field=name, expected=expected,
+                                          actual=type(getattr(self, name)).__name__,
+                                          request_id=rid)
 
 
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
@@ -231,13 +292,18 @@ def check_limits(request: RolloutRequest, limits: RequestLimits) -> None:
         ("sampling.height", s.height, limits.max_height),
         ("sampling.width", s.width, limits.max_width),
         ("sampling.num_frames", s.num_frames, limits.max_frames),
+        ("sampling.guidance_scale", s.guidance_scale, limits.max_guidance_scale),
+        ("requested_artifacts", len(request.requested_artifacts or ()), limits.max_artifacts),
         ("prompt.token_ids", len(request.prompt.token_ids), limits.max_tokens),
     ]
-    if request.prompt.negative_token_ids is not None:
-        checks.append(("prompt.negative_token_ids", len(request.prompt.negative_token_ids),
-                       limits.max_tokens))
     for name, ids in request.prompt.encoder_token_ids.items():
         checks.append((f"prompt.encoder_token_ids.{name}", len(ids), limits.max_tokens))
+    negative = request.prompt.negative
+    if negative is not None:
+        checks.append(("prompt.negative.token_ids", len(negative.token_ids), limits.max_tokens))
+        for name, ids in negative.encoder_token_ids.items():
+            checks.append((f"prompt.negative.encoder_token_ids.{name}", len(ids),
+                           limits.max_tokens))
     for name, value, bound in checks:
         if value > bound:
             raise LimitExceededError(f"{name} is beyond the configured limit", field=name,

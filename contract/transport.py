@@ -55,7 +55,9 @@ class StageOutput:
     trajectory: Any = None                 # ObjectRef[Trajectory] or None
     previews: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # name -> data URLs
     metrics: Mapping[str, float] = field(default_factory=dict)
-    encoded_token_ids: tuple[int, ...] | None = None   # the ids the encoder stage saw
+    encoded_token_ids: Mapping[str, tuple[int, ...]] | None = None   # ids the encoder stage saw,
+    # per encoder ("negative/<encoder>" for the unconditional prompt under CFG)
+    sampling: Any = None                   # the request's SamplingSpec (decoders read sizes)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class GraphResult:
     rewards: RewardReport | None
     previews: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
-    encoded_token_ids: tuple[int, ...] | None = None   # the ids the encoder saw (token check)
+    encoded_token_ids: Mapping[str, tuple[int, ...]] | None = None   # per encoder (token check)
 
 
 PACK_ALIGN = 64     # byte alignment of every tensor inside a PackedTensors buffer

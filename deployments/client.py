@@ -14,7 +14,7 @@ from typing import Sequence
 import ray
 from ray import serve
 
-from ray.exceptions import ObjectLostError
+from ray.exceptions import ObjectLostError, RayActorError
 
 from contract import GraphResult, ReplicaFailedError, RolloutOutput, RolloutRequest
 
@@ -59,11 +59,24 @@ class RolloutClient:
 
     @staticmethod
     def collect(response) -> list[RolloutOutput]:
-        return [materialize(r) for r in response.result()]
+        try:
+            results = response.result()
+        except RayActorError as exc:
+            raise _ingress_failed(exc) from exc
+        return [materialize(r) for r in results]
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         return self.collect(self.submit(requests))
 
     async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
-        results = await self.submit(requests)
+        try:
+            results = await self.submit(requests)
+        except RayActorError as exc:
+            raise _ingress_failed(exc) from exc
         return await asyncio.to_thread(lambda: [materialize(r) for r in results])
+
+
+def _ingress_failed(exc: BaseException) -> ReplicaFailedError:
+    """The ingress replica itself died mid-call (the stages' deaths come back typed from it)."""
+    return ReplicaFailedError("the ingress replica died before answering; retry the requests",
+                              field="ingress", actual=type(exc).__name__)

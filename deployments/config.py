@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from contract import ConfigError, RequestLimits
+from deployments.placement import check_resource_names, check_selector
 from rewards.combine import RewardConfig, ScorerWeight
 from rewards.registry import ScorerSpec
 from rollout.config import RolloutConfig
@@ -46,22 +48,57 @@ class StageOptions(Model):
     num_cpus: float = Field(0.25, ge=0, description="Logical CPUs per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica.")
     num_replicas: int = Field(1, ge=1, description="Fixed replica count when autoscaling is off.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica: the stage runs only "
+        "on nodes started with them (`ray start --resources`), e.g. {rollout_node: 0.01}.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray label selector: the stage runs only on nodes whose "
+        "labels match (`ray start --labels`); values 'v', '!v', 'in(a,b)', '!in(a,b)'.")
     max_ongoing_requests: int = Field(16, ge=1)
+    memory_mib: int | None = Field(
+        None, ge=64, description="Memory per replica (MiB): Ray schedules the replica by it and "
+        "the replica ends itself when its anonymous RSS passes it (deployments/memory.py), so a "
+        "runaway replica is the one replaced. None = no request, no bound.")
     autoscaling: Autoscaling | None = None
 
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory_mib is None else self.memory_mib * 2**20
+
     def deployment_options(self, name: str) -> dict[str, Any]:
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory_bytes is not None:
+            actor["memory"] = self.memory_bytes
         opts: dict[str, Any] = {
             "name": name,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "ray_actor_options": actor,
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_wait_loop_s": 0.0,
             "graceful_shutdown_timeout_s": 2.0,
         }
+        if self.resources:
+            opts["ray_actor_options"]["resources"] = dict(self.resources)
+        if self.node_labels:
+            opts["ray_actor_options"]["label_selector"] = dict(self.node_labels)
         if self.autoscaling is not None:
             opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
+
+    @field_validator("resources", "node_labels")
+    @classmethod
+    def _check_placement(cls, value: dict, info) -> dict:
+        check = check_resource_names if info.field_name == "resources" else check_selector
+        try:
+            return dict(check(value))
+        except ConfigError as exc:
+            raise ValueError(f"{exc.message} ({exc.field}={exc.actual!r})") from None
+
+
+class IngressStage(StageOptions):
+    memory_mib: int | None = Field(2048, ge=64, description="The ingress holds no tensors (only "
+                                   "the tokenizer): 2 GiB bounds it for every model family.")
 
 
 class EncoderStage(StageOptions):
@@ -69,6 +106,12 @@ class EncoderStage(StageOptions):
     num_cpus_per_shard: float = Field(0.25, gt=0)
     num_gpus_per_shard: float = Field(0.0, ge=0, description="1 per shard for nccl on GPU.")
     device: str = Field("cpu", description="torch device of the encoder (and its shards).")
+    dtype: str = Field("float32", description="Weights dtype of the text encoders.")
+
+
+class DecoderStage(StageOptions):
+    device: str = Field("cpu", description="torch device of the decoders (VAE, vocoder).")
+    dtype: str = Field("float32", description="Weights dtype of the decoders.")
 
 
 class ScorerRuntimeEnv(Model):
@@ -140,12 +183,15 @@ class GraphConfig(Model):
                                                "place the adapter is named).")
     encoder: EncoderStage = Field(default_factory=EncoderStage)
     rollout_stage: StageOptions = Field(default_factory=StageOptions)
-    decoder: StageOptions = Field(default_factory=StageOptions)
+    decoder: DecoderStage = Field(default_factory=DecoderStage)
     scorers: tuple[ScorerStage, ...] = ()
-    ingress: StageOptions = Field(default_factory=StageOptions)
+    ingress: IngressStage = Field(default_factory=IngressStage)
     limits: RequestLimits = Field(default_factory=RequestLimits)
     http: HttpOptions = Field(default_factory=HttpOptions)
     policy_store: str = Field("omni_policy_store", description="Named actor holding LoRA versions.")
+    stage_wait_s: float = Field(60.0, gt=0, description="Longest a request waits for a replica "
+                                "of a stage to take it (none running: node lost, replicas "
+                                "restarting); then StageUnavailableError, 503, retryable.")
 
     @property
     def reward_config(self) -> RewardConfig | None:
@@ -160,6 +206,10 @@ class GraphConfig(Model):
     @property
     def weights_path(self) -> str | None:
         return self.rollout.weights_path
+
+    @property
+    def adapter_options(self) -> dict[str, Any]:
+        return dict(self.rollout.adapter_options)
 
     @model_validator(mode="after")
     def _check(self) -> "GraphConfig":

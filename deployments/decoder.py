@@ -10,9 +10,10 @@ from typing import Sequence
 
 import torch
 
-from adapters.registry import get_adapter
+from adapters.registry import get_family
 from contract import (MediaArtifact, MissingArtifactError, Representation,
                       StageOutput, UndeclaredArtifactError, validate_artifact)
+from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.objects import ObjectKeeper
 from deployments.previews import preview_urls
@@ -22,17 +23,20 @@ class DecoderServer:
     """Decodes the latent artifact `latent_name` into its requested decoded artifacts."""
 
     def __init__(self, adapter: str, weights_path: str | None, latent_name: str,
-                 max_preview_pixels: int):
-        self.adapter = get_adapter(adapter)
+                 max_preview_pixels: int, device: str = "cpu", dtype: str = "float32",
+                 options: dict | None = None):
+        self.memory_guard = guard_replica_memory(f"Decoder_{latent_name}")
+        self.family = get_family(adapter, weights_path, options)
         self.latent_name = latent_name
-        self.outputs = tuple(a for a in self.adapter.io_spec.artifacts
+        self.outputs = tuple(a for a in self.family.io_spec.artifacts
                              if a.representation == Representation.DECODED
                              and a.source == latent_name)
         if not self.outputs:
             raise UndeclaredArtifactError(f"{adapter} declares no decoded artifact from "
                                           f"{latent_name!r}", field="latent_name",
                                           actual=latent_name)
-        self.decoders = self.adapter.load(weights_path).decoders
+        # only this latent's decoder components (a VAE; audio VAE + vocoder)
+        self.modules = self.family.load_decoder(latent_name, dtype, device)
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
         self.objects = ObjectKeeper()
@@ -53,19 +57,26 @@ class DecoderServer:
                                        request_id=latents.request_id)
         latent: MediaArtifact = await handle.ref
         with self.metrics.track(latent.batch_size):
-            produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id)
+            produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id,
+                                               latents.sampling)
         handles = {a.name: self.objects.put_artifact(a) for a in produced}
         previews = ({a.name: preview_urls(a, self.max_preview_pixels) for a in produced}
                     if preview else {})
         return StageOutput(request_id=latents.request_id, artifacts=handles,
                            policy_version=latents.policy_version, seeds=latents.seeds,
-                           stop_reason=latents.stop_reason, previews=previews)
+                           stop_reason=latents.stop_reason, previews=previews,
+                           sampling=latents.sampling)
 
-    def _decode(self, latent: MediaArtifact, wanted, request_id: str) -> list[MediaArtifact]:
+    def _decode(self, latent: MediaArtifact, wanted, request_id: str,
+                sampling) -> list[MediaArtifact]:
         out = []
+        if sampling is None:
+            raise MissingArtifactError("the rollout stage's output carries no sampling spec",
+                                       field="sampling", request_id=request_id)
         with torch.inference_mode():
+            data = self.family.codec.decode(self.latent_name, self.modules, latent.data,
+                                            sampling)      # once, whatever artifacts share it
             for spec in wanted:
-                data = self.adapter.decode(self.decoders, self.latent_name, latent.data)
                 metadata = {k: v for k, v in (("fps", spec.fps),
                                               ("sample_rate", spec.sample_rate)) if v}
                 artifact = MediaArtifact(spec, data.contiguous(), metadata)

@@ -14,7 +14,6 @@ returned TextCondition carries them in `token_ids` for the trainer's token check
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import socket
 from typing import Any, Sequence
@@ -22,26 +21,26 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from adapters.base import DiffusionAdapter, TextCondition
-from adapters.registry import get_adapter
-from contract import (ConfigError, InvalidRequestError, PromptBundle, ReplicaFailedError,
-                      RolloutError)
-from deployments.etp import (ShardWorker, check_etp, encoder_num_heads, param_bytes)
+from adapters.family import ModelFamily
+from adapters.registry import get_family
+from contract import (Condition, ConfigError, InvalidRequestError, PromptBundle,
+                      ReplicaFailedError, RolloutError)
+from deployments.etp import ShardWorker, check_family_etp, param_bytes
+from deployments.memory import guard_replica_memory
 
 SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback (all bundles on one node)
 
 
-def load_text_encoder(adapter: DiffusionAdapter, weights_path: str | None) -> nn.Module:
-    """The adapter's text encoder, loaded the way the adapter loads its weights (`load` also
-    reads the adapter config, e.g. the padded text length); the other components are dropped."""
-    components = adapter.load(weights_path)
-    encoder = components.text_encoder.eval().requires_grad_(False)
-    del components
-    return encoder
+def load_encoders(family: ModelFamily, device: torch.device | str = "cpu",
+                  dtype: str = "float32") -> dict[str, nn.Module]:
+    """The family's text encoders only (name -> module), inputs placed on `device`."""
+    device = torch.device(device)
+    return {name: place_inputs_on(module, device)
+            for name, module in family.load_encoders(dtype, device).items()}
 
 
 def place_inputs_on(encoder: nn.Module, device: torch.device) -> nn.Module:
-    """Move the encoder's tensor inputs to `device` (the adapter pads ids on the CPU)."""
+    """Move the encoder's tensor inputs to `device` (the conditioner pads ids on the CPU)."""
     def hook(module, args, kwargs):
         move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v   # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
@@ -50,9 +49,12 @@ def place_inputs_on(encoder: nn.Module, device: torch.device) -> nn.Module:
     return encoder
 
 
-def to_cpu(cond: TextCondition) -> TextCondition:
-    return dataclasses.replace(cond, hidden=cond.hidden.cpu(), mask=cond.mask.cpu(),
-                               pooled=None if cond.pooled is None else cond.pooled.cpu())
+def encode_prompts(family: ModelFamily, encoders, prompts: Sequence[PromptBundle]) -> Condition:
+    """The conditioner on the ids exactly as given; `token_ids` records, per prompt, the ids of
+    every encoder (what the trainer's token check compares)."""
+    cond = family.conditioner.encode(encoders, prompts).to("cpu")
+    names = family.spec.encoder_names
+    return Condition(cond.tensors, tuple(p.ids_by_encoder(names) for p in prompts))
 
 
 def _check_shard_gpus(device: str, gpus_per_shard: Sequence[float]) -> None:
@@ -75,11 +77,12 @@ class TextEncoderServer:
     @classmethod
     def deployment_options(cls, etp: int, num_cpus_per_shard: float, num_cpus: float = 0.25,
                            num_gpus: float = 0.0, num_gpus_per_shard: float = 0.0,
-                           device: str = "cpu") -> dict[str, Any]:
+                           device: str = "cpu", memory_bytes: int | None = None
+                           ) -> dict[str, Any]:
         """Serve options derived from `etp`: nothing extra at etp 1, else the placement group.
 
-        Bundle 0 holds the replica itself (its num_cpus / num_gpus), bundles 1..etp one shard
-        worker each. The head-count check happens in the replica, which knows the encoder.
+        Bundle 0 holds the replica itself (its num_cpus / num_gpus / memory), bundles 1..etp one
+        shard worker each. The head-count check happens in the replica, which knows the encoder.
         """
         if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
             raise ConfigError("etp must be a positive integer", field="etp", expected=">= 1",
@@ -93,13 +96,17 @@ class TextEncoderServer:
 
         def bundle(cpus: float, gpus: float) -> dict[str, float]:
             return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
-        return {"placement_group_bundles": [bundle(num_cpus, num_gpus)] +
+        replica = bundle(num_cpus, num_gpus) | ({} if memory_bytes is None else
+                                                {"memory": memory_bytes})
+        return {"placement_group_bundles": [replica] +
                                            [bundle(num_cpus_per_shard, num_gpus_per_shard)] * etp,
                 "placement_group_strategy": "STRICT_PACK"}
 
     def __init__(self, adapter: str, weights_path: str | None = None, etp: int = 1,
-                 device: str = "cpu"):
-        self.adapter = get_adapter(adapter)
+                 device: str = "cpu", dtype: str = "float32", options: dict | None = None):
+        self.memory_guard = guard_replica_memory("TextEncoder")
+        self.family = get_family(adapter, weights_path, options)
+        self.options = dict(options or {})
         self.etp = etp
         self.device = torch.device(device)
         self._lock = asyncio.Lock()
@@ -107,21 +114,14 @@ class TextEncoderServer:
         self.worker_info: list[dict[str, int]] = []
         self._failed: str | None = None
         if etp == 1:
-            self.encoder = place_inputs_on(
-                load_text_encoder(self.adapter, weights_path).to(self.device), self.device)
-            check_etp(etp, encoder_num_heads(self.encoder))
+            self.encoders = load_encoders(self.family, self.device, dtype)
             return
-        self.encoder = None
-        self._heads_check(weights_path)
-        self._start_workers(adapter, weights_path, device)
+        self.encoders = None
+        check_family_etp(self.family, etp)         # before any worker starts
+        self._start_workers(adapter, weights_path, device, dtype)
 
-    def _heads_check(self, weights_path: str | None) -> None:
-        """etp must divide the encoder's head count: read it before any worker starts."""
-        encoder = load_text_encoder(self.adapter, weights_path)
-        check_etp(self.etp, encoder_num_heads(encoder))
-        del encoder
-
-    def _start_workers(self, adapter: str, weights_path: str | None, device: str) -> None:
+    def _start_workers(self, adapter: str, weights_path: str | None, device: str,
+                       dtype: str) -> None:
         import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -142,19 +142,17 @@ class TextEncoderServer:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i + 1),
                 runtime_env={"env_vars": SHARD_ENV},
-            ).remote(adapter, weights_path, i, self.etp, master, device)
+            ).remote(adapter, weights_path, i, self.etp, master, device, dtype, self.options)
             for i in range(self.etp)]
         self.worker_info = ray.get([w.ready.remote() for w in self.workers])
 
     # ---- requests ---------------------------------------------------------------------
-    async def encode(self, prompts: Sequence[PromptBundle]) -> TextCondition:
+    async def encode(self, prompts: Sequence[PromptBundle]) -> Condition:
         """Encode the prompts' token ids exactly as given; `token_ids` records them."""
         prompts = self._check(prompts)
         if self.etp == 1:
-            cond = to_cpu(self.adapter.encode(self.encoder, prompts))
-        else:
-            cond = (await self._on_all_ranks("encode", prompts))[0]
-        return dataclasses.replace(cond, token_ids=tuple(p.token_ids for p in prompts))
+            return encode_prompts(self.family, self.encoders, prompts)
+        return (await self._on_all_ranks("encode", prompts))[0]
 
     async def _on_all_ranks(self, method: str, *args) -> list[Any]:
         """Call `method` on every shard worker; a dead worker fails the replica (typed)."""
@@ -195,7 +193,7 @@ class TextEncoderServer:
     async def shard_param_bytes(self) -> list[dict[str, int]]:
         """Per-rank parameter bytes (etp 1: the in-process encoder as rank 0)."""
         if self.etp == 1:
-            own = param_bytes(self.encoder)
+            own = param_bytes(self.encoders, self.family)
             return [{"rank": 0, "sharded": own.sharded, "replicated": own.replicated,
                      "total": own.total, "full_sharded": own.sharded, "full_total": own.total}]
         return await self._on_all_ranks("param_bytes")

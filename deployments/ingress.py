@@ -4,29 +4,44 @@ encoder -> rollout -> decoders (one per requested latent kind) -> scorers. Every
 DeploymentResponse as a top-level argument, so Serve resolves it inside the receiving replica;
 stage outputs are `StageOutput`s holding object refs, so this class only ever awaits small
 metadata and never deserializes a tensor (`ingress_tensor_bytes` counts any that would arrive).
+
+Every request is checked whole before any stage runs, the same way over HTTP and the handle API:
+the graph's RequestLimits, the adapter's request checks, and the prompt check of each required
+scorer that declares one. HTTP bodies are parsed and bounded by contract/http.py before anything
+proportional to them is built; every HTTP answer is JSON, a typed error object for any failure.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import logging
+import os
+import time
 from typing import Any, Mapping, Sequence
 
+import ray
 import torch
 from pydantic import ValidationError
-from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError,
+                            RayTaskError)
 from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from adapters.registry import get_adapter
-from contract import (GraphResult, LimitExceededError, PromptBundle, ReplicaFailedError,
-                      Representation, RewardReport, RolloutError, RolloutRequest, SamplingSpec,
-                      ScorerOutput, StageOutput, check_requested_artifacts)
-from contract.http import HTTPRolloutRequest
+from adapters.registry import get_family
+from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
+                      PromptBundle, ReplicaFailedError, Representation, RewardReport,
+                      RolloutError, RolloutRequest, SamplingSpec, ScorerFailedError,
+                      StageUnavailableError,
+                      ScorerOutput, StageOutput, UnscorableInputError, check_requested_artifacts)
+from contract.http import HTTPRolloutRequest, parse_rollout_body
 from deployments.config import GraphConfig
+from diffusion.step import doubles_rows
+from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
+
+logger = logging.getLogger("ray.serve")
 
 # A stage replica died mid-call, or an object it owned (a rollout's latents) died with it.
 _REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, ObjectLostError)
@@ -62,54 +77,151 @@ def tensor_bytes(obj: Any) -> int:
 class RolloutGraph:
     def __init__(self, config: GraphConfig, encoder, rollout, decoders: Mapping[str, Any],
                  scorers: Mapping[str, Any]):
+        self.memory_guard = guard_replica_memory("RolloutGraph")
         self.config = config
-        self.adapter = get_adapter(config.adapter)
-        self.io_spec = self.adapter.io_spec
+        self.family = get_family(config.adapter, config.weights_path, config.adapter_options)
+        self.io_spec = self.family.io_spec
         self.encoder, self.rollout_stage = encoder, rollout
         self.decoders, self.scorers = dict(decoders), dict(scorers)
         self.scorer_specs = {s.name: s for s in config.scorers}
         self.combiner = RewardCombiner(config.reward_config) if config.scorers else None
         self._primaries: dict[str, str] | None = None
+        self._prompt_checkers: tuple[str, ...] | None = None   # required scorers with a check
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
 
     # ---------------------------------------------------------------- handle API
     async def rollout(self, requests: RolloutRequest | Sequence[RolloutRequest],
                       preview: bool = False) -> list[GraphResult]:
-        batch = [requests] if isinstance(requests, RolloutRequest) else list(requests)
-        if len(batch) > self.config.limits.max_prompts:
-            raise LimitExceededError("too many requests in one call", field="requests",
-                                     expected=f"<= {self.config.limits.max_prompts}",
-                                     actual=len(batch))
+        batch = self._batch(requests)
+        checked = [self._validate(r) for r in batch]        # every request, before any stage
+        await self._check_prompts(batch)
         rows = sum(r.sampling.samples_per_prompt for r in batch)
         with self.metrics.track(rows):
-            return list(await asyncio.gather(*(self._one(r, preview) for r in batch)))
+            return list(await asyncio.gather(*(self._one(r, names, media, preview)
+                                               for r, (names, media) in zip(batch, checked))))
 
-    async def stats(self) -> dict[str, int]:
-        return {"ingress_tensor_bytes": self.ingress_tensor_bytes}
+    async def stats(self, reset_peak: bool = False) -> dict[str, int]:
+        """Tensor bytes that reached the ingress (0 by design), its pid, resident memory in bytes
+        (rss, rss_anon, peak_rss since start or the last `reset_peak`) and its memory bound."""
+        if reset_peak:
+            reset_peak_rss()
+        limit = self.memory_guard.limit_bytes if self.memory_guard is not None else 0
+        return {"ingress_tensor_bytes": self.ingress_tensor_bytes, "pid": os.getpid(),
+                "memory_limit_bytes": limit, **process_memory()}
+
+    def _batch(self, requests: Any) -> list[RolloutRequest]:
+        if isinstance(requests, RolloutRequest):
+            return [requests]
+        if not isinstance(requests, (list, tuple)):
+            raise InvalidRequestError("rollout takes a RolloutRequest or a list of them",
+                                      field="requests", expected="list[RolloutRequest]",
+                                      actual=type(requests).__name__)
+        bound = self.config.limits.max_prompts
+        if len(requests) > bound:
+            raise LimitExceededError("too many requests in one call", field="requests",
+                                     expected=f"<= {bound}", actual=len(requests))
+        for i, request in enumerate(requests):
+            if not isinstance(request, RolloutRequest):
+                raise InvalidRequestError("not a RolloutRequest", field=f"requests[{i}]",
+                                          expected="RolloutRequest",
+                                          actual=type(request).__name__)
+        return list(requests)
 
     async def _await_small(self, response) -> Any:
         value = await response
         self.ingress_tensor_bytes += tensor_bytes(value)
         return value
 
+    async def _taken(self, stage: str, response, request_id: str):
+        """The ObjectRef of a stage call once a replica has taken it. When none does within
+        `stage_wait_s` (no replica running: its node is lost or it is restarting) the call is
+        cancelled -- it never runs later -- and the request fails as StageUnavailableError."""
+        wait_s = self.config.stage_wait_s
+        try:
+            return await asyncio.wait_for(response._to_object_ref(), timeout=wait_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise StageUnavailableError(f"no {stage} replica took the request within {wait_s} s "
+                                        "(none running: its node is lost or it is restarting); "
+                                        "retry later", field=stage, expected=f"<= {wait_s} s",
+                                        request_id=request_id) from None
+
+    async def _stage_result(self, stage: str, response, request_id: str) -> Any:
+        """A stage call's small result (`response` once taken, or its ObjectRef); a retryable
+        error from upstream gets the request id."""
+        try:
+            ref = (response if isinstance(response, ray.ObjectRef)
+                   else await self._taken(stage, response, request_id))
+            return await self._await_small(ref)
+        except RolloutError as exc:
+            raise _with_request_id(_cause(exc), request_id) from None
+
     def _validate(self, request: RolloutRequest) -> tuple[tuple[str, ...], dict]:
         """Fail fast, before any stage runs: (requested artifact names, condition media)."""
         requested = check_requested_artifacts(request, self.io_spec.names)
-        return requested, self.adapter.validate_request(request, self.config.limits)
+        return requested, self.family.validate_request(request, self.config.limits)
 
-    async def _one(self, request: RolloutRequest, preview: bool) -> GraphResult:
-        requested, media = self._validate(request)
+    async def _check_prompts(self, batch: Sequence[RolloutRequest]) -> None:
+        """Each required scorer that declares a prompt check (rewards.base.ChecksPrompts) reads
+        every prompt first: one it cannot score is the client's 422 before any stage runs."""
+        if not batch:
+            return
+        if self._prompt_checkers is None:
+            required = [n for n, s in self.scorer_specs.items()
+                        if s.reward.policy == ScorerPolicy.REQUIRED]
+            flags = await asyncio.gather(*(self.scorers[n].checks_prompts.remote()
+                                           for n in required))
+            self._prompt_checkers = tuple(n for n, has in zip(required, flags) if has)
+        if not self._prompt_checkers:
+            return
+        texts = [r.prompt.text or "" for r in batch]
+        ids = [r.request_id for r in batch]
+        names = self._prompt_checkers
+        results = await asyncio.gather(*(asyncio.wait_for(
+            self.scorers[n].check_prompts.remote(texts, ids),
+            timeout=self.scorer_specs[n].reward.timeout_s) for n in names),
+            return_exceptions=True)
+        for name, result in zip(names, results):
+            if isinstance(result, BaseException):
+                self._raise_required_failure(name, result, len(batch), ids[0])
+
+    def _raise_required_failure(self, name: str, exc: BaseException, n: int,
+                                request_id: str) -> None:
+        """A required scorer's call raised. The client's fault (4xx) only when the scorer says
+        the input it could not read was the client's (UnscorableInputError); its replica dying
+        is a retryable 503; anything else -- a timeout, generated media it cannot read, its own
+        bug -- is the server's ScorerFailedError (502)."""
+        cause = _cause(exc)
+        if isinstance(cause, RolloutError) and cause.retryable:   # unavailable: retry later
+            raise _with_request_id(cause, request_id) from None
+        if isinstance(cause, UnscorableInputError):
+            if cause.message.startswith("required scorer"):      # from its prompt check
+                raise cause
+            raise UnscorableInputError(f"required scorer {name!r} cannot read the client's "
+                                       f"input: {cause.message}", field=cause.field,
+                                       expected=cause.expected, actual=cause.actual,
+                                       request_id=request_id) from None
+        if replica_died(exc):
+            raise replica_failed(f"scorer.{name}", exc, request_id) from exc
+        reason = ("timed out" if isinstance(exc, asyncio.TimeoutError)
+                  else f"{type(cause).__name__}: {cause}")
+        policy_failure(name, self.scorer_specs[name].reward, n, reason, cause,
+                       request_id=request_id)        # raises ScorerFailedError: it is required
+        raise ScorerFailedError(reason, field=f"rewards.{name}", request_id=request_id)
+
+    async def _one(self, request: RolloutRequest, requested: tuple[str, ...], media: dict,
+                   preview: bool) -> GraphResult:
         rid = request.request_id
-        cond = self.encoder.encode.remote([request.prompt])
+        cond = await self._taken("encoder", self.encoder.encode.remote([request.prompt]), rid)
         negative = None
-        if request.sampling.guidance_scale != 1.0:
-            ids = request.prompt.negative_token_ids
-            bundle = (PromptBundle(token_ids=ids) if ids else self.adapter.null_prompt())
-            negative = self.encoder.encode.remote([bundle])
+        if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
+            uncond = self.family.conditioner.unconditional(request.prompt)
+            negative = await self._taken("encoder", self.encoder.encode.remote([uncond]), rid)
         try:
-            stage: StageOutput = await self._await_small(
-                self.rollout_stage.rollout.remote(request, cond, requested, negative))
+            stage: StageOutput = await self._stage_result(
+                "rollout", self.rollout_stage.rollout.remote(request, cond, requested, negative),
+                rid)
         except Exception as exc:
             if replica_died(exc):        # the rollout replica (or the encoder upstream) died
                 raise replica_failed("rollout", exc, rid) from exc
@@ -119,16 +231,19 @@ class RolloutGraph:
                      for latent, names in decoded_by_latent.items()}
         artifacts = {n: h for n, h in stage.artifacts.items() if n in requested}
         previews: dict[str, tuple[str, ...]] = {}
+        refs = {}                  # decoded outputs, taken: what the scorers read
         for latent, response in responses.items():
             try:
-                out: StageOutput = await self._await_small(response)
+                refs[latent] = await self._taken(f"decoder.{latent}", response, rid)
+                out: StageOutput = await self._stage_result(f"decoder.{latent}", refs[latent],
+                                                            rid)
             except Exception as exc:
                 if replica_died(exc):         # the decoder died, or the latent's owner did
                     raise replica_failed(f"decoder.{latent}", exc, rid) from exc
                 raise
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
-        rewards = await self._score(request, responses, media)
+        rewards = await self._score(request, refs, media)
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
@@ -168,15 +283,16 @@ class RolloutGraph:
             spec = self.scorer_specs[name]
             sources = sorted({self.io_spec[i].source for i in spec.inputs})
             calls[name] = asyncio.wait_for(
-                self._await_small(handle.score.remote(
-                    *(responses[s] for s in sources), prompts=prompts, metadata=metadata)),
+                self._stage_result(f"scorer.{name}", handle.score.remote(
+                    *(responses[s] for s in sources), prompts=prompts, metadata=metadata),
+                    request.request_id),
                 timeout=spec.reward.timeout_s)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
         outputs: dict[str, ScorerOutput] = {}
         for name, result in zip(calls, results):
             required = self.scorer_specs[name].reward.policy == ScorerPolicy.REQUIRED
-            if required and isinstance(result, Exception) and replica_died(result):
-                raise replica_failed(f"scorer.{name}", result, request.request_id) from result
+            if required and isinstance(result, BaseException):
+                self._raise_required_failure(name, result, n, request.request_id)
             if isinstance(result, BaseException):
                 reason = ("timed out" if isinstance(result, asyncio.TimeoutError)
                           else f"{type(result).__name__}: {result}")
@@ -187,40 +303,71 @@ class RolloutGraph:
 
     # ---------------------------------------------------------------- HTTP API
     async def __call__(self, http: Request) -> JSONResponse:
+        """Every answer is JSON: results, or an error object with the status its type maps to;
+        an unexpected failure is logged and answered 500 with an error object, never bare.
+        `Server-Timing: ingress;dur=<ms>` tells how long the ingress took."""
+        start = time.perf_counter()
+        try:
+            response = await self._http(http)
+        except Exception:  # noqa: BLE001 -- the one place an unexpected error becomes a 500
+            logger.exception("RolloutGraph failed answering %s %s", http.method, http.url.path)
+            response = _error(500, "InternalError", None, "the ingress failed; see its log")
+        response.headers["Server-Timing"] = f"ingress;dur={(time.perf_counter() - start) * 1e3:.3f}"
+        return response
+
+    async def _http(self, http: Request) -> JSONResponse:
         path = http.url.path.rstrip("/").rsplit("/", 1)[-1]
         if http.method == "GET" and path == "healthz":
             return JSONResponse({"status": "ok", "adapter": self.config.adapter})
         if http.method != "POST" or path != "rollout":
             return _error(404, "NotFound", "path", f"{http.method} {http.url.path} is not served")
         try:
-            body = await http.body()
-            if len(body) > self.config.limits.max_body_bytes:
-                raise LimitExceededError("request body too large", field="body",
-                                         expected=f"<= {self.config.limits.max_body_bytes}",
-                                         actual=len(body))
-            payload = HTTPRolloutRequest.model_validate(json.loads(body))
+            payload = parse_rollout_body(await self._read_body(http), self.config.limits)
             requests = self._from_http(payload)
             results = await self.rollout(requests, preview=payload.include_media)
             return JSONResponse({"results": [_result_json(p, r) for p, r in
                                              zip(payload.prompts, results)]})
-        except json.JSONDecodeError as exc:
-            return _error(400, "JSONDecodeError", "body", str(exc))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            return _error(422, "ValidationError", ".".join(str(p) for p in first["loc"]),
-                          first["msg"])
+            first = exc.errors(include_url=False)[0]
+            return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])
         except RolloutError as exc:
-            return JSONResponse(exc.to_dict(), status_code=exc.http_status)
+            error = _cause(exc)
+            return JSONResponse(error.to_dict(), status_code=error.http_status)
+
+    async def _read_body(self, http: Request) -> bytearray:
+        """The body, refused as soon as it passes max_body_bytes (by its Content-Length, or while
+        it streams in), so an oversized body is never held whole; one buffer, no joined copy."""
+        bound = self.config.limits.max_body_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None and not declared.strip().isdecimal():
+            raise MalformedBodyError("Content-Length is not a byte count", field="content-length",
+                                     actual=declared[:40])
+        if declared is not None and int(declared) > bound:
+            raise LimitExceededError("request body too large", field="body",
+                                     expected=f"<= {bound} bytes", actual=int(declared))
+        body = bytearray()
+        async for chunk in http.stream():
+            if len(body) + len(chunk) > bound:
+                raise LimitExceededError("request body too large", field="body",
+                                         expected=f"<= {bound} bytes", actual=f"> {bound}")
+            body += chunk
+        return body
 
     def _from_http(self, payload: HTTPRolloutRequest) -> list[RolloutRequest]:
-        limits = self.config.limits
-        if len(payload.prompts) > limits.max_prompts:
-            raise LimitExceededError("too many prompts", field="prompts",
-                                     expected=f"<= {limits.max_prompts}",
-                                     actual=len(payload.prompts))
-        defaults = dict(self.adapter.sampling_defaults)
-        task = payload.task or next(iter(self.adapter.tasks))
-        bundles = self.adapter.tokenize(payload.prompts)
+        """Sizes are already bounded (parse_rollout_body); the task is checked before the
+        prompts are tokenized, the rest by `rollout` before any stage."""
+        defaults = dict(self.family.spec.sampling_defaults)
+        task = payload.task or next(iter(self.family.spec.tasks))
+        if task not in self.family.spec.tasks:
+            raise InvalidRequestError(f"adapter {self.family.name} does not serve this task",
+                                      field="task", expected=[t.value for t in self.family.spec.tasks],
+                                      actual=task.value)
+        if self.family.spec.tasks[task]:
+            raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
+                                      "request cannot carry (use the handle API)", field="media",
+                                      expected=sorted(r.value for r in self.family.spec.tasks[task]),
+                                      actual=[])
+        bundles = self.family.conditioner.tokenize(payload.prompts, payload.negative_prompts)
         n = payload.samples_per_prompt
         out = []
         for i, bundle in enumerate(bundles):
@@ -238,7 +385,28 @@ class RolloutGraph:
         return out
 
 
-def _error(status: int, kind: str, field: str, message: str) -> JSONResponse:
+def _cause(exc: BaseException) -> BaseException:
+    """A stage's own exception inside Ray's RayTaskError wrapper (so its type names it)."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _with_request_id(exc: BaseException, request_id: str) -> BaseException:
+    """A retryable stage error that does not know the request (the encoder's, the policy
+    store's) gets the request id, so the caller can retry exactly that request."""
+    if isinstance(exc, RolloutError) and exc.retryable and exc.request_id is None:
+        return type(exc)(exc.message, field=exc.field, expected=exc.expected,
+                         actual=exc.actual, request_id=request_id)
+    return exc
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """('prompts', 0) -> 'prompts[0]'."""
+    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
+                   for i, p in enumerate(loc))
+
+
+def _error(status: int, kind: str, field: str | None, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "field": field, "message": message}},
                         status_code=status)
 

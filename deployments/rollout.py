@@ -14,8 +14,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from adapters.base import TextCondition
-from contract import PolicyVersionError, RolloutRequest, StageOutput
+from contract import Condition, PolicyVersionError, RequestLimits, RolloutRequest, StageOutput
+from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.objects import ObjectKeeper
 from deployments.policy_store import get_policy_store
@@ -25,9 +25,18 @@ from rollout.strategy import DiffusionStrategy, build_strategy
 BASE_VERSION = "base"
 
 
+def seen_token_ids(cond: Condition, negative: Condition | None) -> dict[str, tuple[int, ...]]:
+    """The ids the encoder stage reported for this request, per encoder."""
+    seen = dict(cond.token_ids[0]) if cond.token_ids else {}
+    if negative is not None and negative.token_ids:
+        seen.update({f"negative/{k}": v for k, v in negative.token_ids[0].items()})
+    return seen
+
+
 class DiTRolloutServer:
-    def __init__(self, rollout: RolloutConfig, policy_store: str):
-        strategy = build_strategy(rollout)
+    def __init__(self, rollout: RolloutConfig, policy_store: str, limits: RequestLimits):
+        self.memory_guard = guard_replica_memory("DiTRollout")
+        strategy = build_strategy(rollout, limits)     # the graph's limits, as the ingress's
         if not isinstance(strategy, DiffusionStrategy):
             raise TypeError("the DiTRollout stage serves the diffusion strategy")
         self.strategy = strategy
@@ -64,8 +73,8 @@ class DiTRolloutServer:
         latest = await self.store.latest.remote()
         return await self._ensure(latest.version if latest is not None else BASE_VERSION)
 
-    async def rollout(self, request: RolloutRequest, cond: TextCondition,
-                      requested: Sequence[str], negative: TextCondition | None = None
+    async def rollout(self, request: RolloutRequest, cond: Condition,
+                      requested: Sequence[str], negative: Condition | None = None
                       ) -> StageOutput:
         version = await self._resolve(request.policy_version)
         request = dataclasses.replace(request, policy_version=version,
@@ -77,7 +86,8 @@ class DiTRolloutServer:
                            policy_version=out.policy_version, seeds=out.seeds,
                            stop_reason=out.stop_reason, trajectory=self.objects.put(out.trajectory),
                            metrics=dict(out.metrics),
-                           encoded_token_ids=cond.token_ids[0] if cond.token_ids else None)
+                           encoded_token_ids=seen_token_ids(cond, negative),
+                           sampling=request.sampling)
 
     async def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
                         scale: float = 1.0) -> tuple[str, ...]:

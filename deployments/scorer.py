@@ -13,10 +13,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from ray import serve
 
-from contract import MediaArtifact, MissingArtifactError, ScorerOutput, StageOutput
+from contract import (InvalidRequestError, MediaArtifact, MissingArtifactError, ScorerOutput,
+                      StageOutput, UnscorableInputError)
 from deployments.config import ScorerStage
+from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from rewards.base import ScoreRequest
+from rewards.base import ChecksPrompts, ScoreRequest
 from rewards.registry import build_scorer
 
 
@@ -49,6 +51,7 @@ def _batch_key(request: ScoreRequest) -> tuple:
 
 class ScorerServer:
     def __init__(self, spec: ScorerStage):
+        self.memory_guard = guard_replica_memory(f"Scorer_{spec.name}")
         self.spec = spec
         self.scorer = build_scorer(spec.scorer)
         self.metrics = StageMetrics(f"scorer:{spec.name}")
@@ -57,6 +60,26 @@ class ScorerServer:
 
     async def primary(self) -> str:
         return self.scorer.primary
+
+    async def checks_prompts(self) -> bool:
+        """Whether this scorer declares a prompt check (rewards.base.ChecksPrompts)."""
+        return isinstance(self.scorer, ChecksPrompts)
+
+    async def check_prompts(self, prompts: Sequence[str],
+                            request_ids: Sequence[str] | None = None) -> None:
+        """The scorer's own prompt check on each prompt: UnscorableInputError naming the first
+        one it cannot read (field `prompts[i]`, and its request id)."""
+        if not isinstance(self.scorer, ChecksPrompts):
+            return
+        for i, text in enumerate(prompts):
+            try:
+                self.scorer.check_prompt(text)
+            except InvalidRequestError as err:      # the hook's contract: the client's text
+                raise UnscorableInputError(f"required scorer {self.spec.name!r} cannot read this "
+                                           f"prompt: {err.message}", field=f"prompts[{i}]",
+                                           expected=err.expected, actual=err.actual,
+                                           request_id=request_ids[i] if request_ids else None
+                                           ) from None
 
     async def score(self, *decoded: StageOutput, prompts: Sequence[str],
                     metadata: Sequence[Mapping[str, Any]]) -> ScorerOutput:

@@ -13,10 +13,16 @@ from contract.errors import InvalidRequestError
 from diffusion._checks import check_float_tensor, check_row_sigma, check_same_shape, rows
 
 
-def cfg_velocity(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
-    """v_u + scale (v_c - v_u). v_uncond, v_cond: (B, *S)."""
+def cfg_velocity(v_uncond: torch.Tensor, v_cond: torch.Tensor,
+                 scale: float | torch.Tensor) -> torch.Tensor:
+    """v_u + scale (v_c - v_u). v_uncond, v_cond: (B, *S); scale: a number or (B,) per row."""
     v_cond = check_float_tensor(v_cond, "v_cond")
     v_uncond = check_same_shape(v_uncond, v_cond, "v_uncond")
+    if isinstance(scale, torch.Tensor):
+        if tuple(scale.shape) != (v_cond.shape[0],):
+            raise InvalidRequestError("a per-row guidance scale has shape (B,)", field="scale",
+                                      expected=(v_cond.shape[0],), actual=tuple(scale.shape))
+        scale = rows(scale.to(v_cond.dtype), v_cond.ndim)
     return v_uncond + scale * (v_cond - v_uncond)
 
 

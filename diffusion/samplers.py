@@ -61,14 +61,24 @@ def log_prob_of(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     if not bool((std > 0).all()):
         raise InvalidRequestError("log-density needs std > 0 (a deterministic step has none)",
                                   field="std", expected="> 0", actual=std.tolist())
+    return _gaussian_elem(prev_sample, mean, std).flatten(1).mean(dim=1)
+
+
+def _gaussian_elem(prev_sample: torch.Tensor, mean: torch.Tensor,
+                   std: torch.Tensor) -> torch.Tensor:
+    """Per-entry log N(x; mean, std^2): (B, *S). std: (B,) > 0."""
     s = rows(std, prev_sample.ndim)
-    elem = -((prev_sample - mean) ** 2) / (2 * s ** 2) - torch.log(s) - _LOG_SQRT_2PI
-    return elem.flatten(1).mean(dim=1)
+    return -((prev_sample - mean) ** 2) / (2 * s ** 2) - torch.log(s) - _LOG_SQRT_2PI
+
+
+def _surrogate_elem(prev_sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per-entry CPS surrogate -(x - mean)^2: no 1/(2 std^2), no normaliser (notes 1.1)."""
+    return -((prev_sample - mean) ** 2)
 
 
 def _surrogate_log_prob(prev_sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """CPS surrogate: -mean_over_S (x - mean)^2, no 1/(2 std^2), no normaliser (notes 1.1)."""
-    return -((prev_sample - mean) ** 2).flatten(1).mean(dim=1)
+    """CPS surrogate: -mean_over_S (x - mean)^2 per row."""
+    return _surrogate_elem(prev_sample, mean).flatten(1).mean(dim=1)
 
 
 def _prepare(x, v, sigma, sigma_next, noise_level, noise, prev_sample):
@@ -312,3 +322,28 @@ def sampler_step(kind: SamplerKind | str, x: torch.Tensor, v: torch.Tensor, sigm
 
 MULTISTEP = frozenset({SamplerKind.DPM2})          # kinds that carry a SolverHistory
 DETERMINISTIC = frozenset({SamplerKind.ODE, SamplerKind.DPM2})   # no noise, no log-prob
+
+
+def log_density(kind: SamplerKind | str, prev_sample: torch.Tensor, mean: torch.Tensor,
+                std: torch.Tensor, free: torch.Tensor | None = None) -> torch.Tensor:
+    """The log-prob a step of `kind` assigns to prev_sample (B,), averaged over the `free`
+    entries only (B, *S) bool (None = all): frozen condition entries are not sampled, so they
+    are not scored. Gaussian kinds use log_prob_of's element density, CPS its surrogate."""
+    kind = SamplerKind(kind)
+    prev_sample, mean = prev_sample.float(), mean.float()
+    if kind is SamplerKind.CPS:
+        elem = _surrogate_elem(prev_sample, mean)
+    elif kind in (SamplerKind.SDE, SamplerKind.DANCE_SDE):
+        elem = _gaussian_elem(prev_sample, mean,
+                              check_per_row(std, prev_sample.shape[0], "std").float())
+    else:
+        raise InvalidRequestError("this sampler kind has no log-prob", field="sampler",
+                                  expected=["sde", "dance_sde", "cps"], actual=kind.value)
+    if free is None:
+        return elem.flatten(1).mean(dim=1)
+    free = free.to(elem.device).flatten(1)
+    count = free.sum(dim=1)
+    if bool((count == 0).any()):
+        raise InvalidRequestError("every entry of a row is frozen: nothing is sampled",
+                                  field="frozen.mask", expected="some free entries", actual=0)
+    return (elem.flatten(1) * free).sum(dim=1) / count

@@ -27,5 +27,18 @@ class Scorer(Protocol):
     primary: str                            # the named score used as this scorer's reward
 
     def score(self, request: ScoreRequest) -> ScorerOutput:
-        """Scores per sample. Raises a typed error for media it cannot read (latent, no fps...)."""
+        """Scores per sample. Raises a typed error for media it cannot read (latent, no fps...);
+        UnscorableInputError when what it cannot read came from the client (its prompt, its
+        condition media), so the request fails as the client's 4xx, not a scorer's 5xx."""
+        ...
+
+
+@runtime_checkable
+class ChecksPrompts(Protocol):
+    """Optional scorer hook: `check_prompt(text)` raises UnscorableInputError for a prompt this
+    scorer cannot read (e.g. a caption outside a verifier's vocabulary). When the scorer is
+    required, the ingress runs it on every prompt before any stage, so such a request is a 4xx
+    at once, not a finished rollout failing in the scorer. It must be cheap (no model call)."""
+
+    def check_prompt(self, text: str) -> None:
         ...

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from contract import (InvalidRequestError, LimitExceededError, RolloutRequest, StopReason, Task,
-                      TokenOutput)
+from contract import (InvalidRequestError, LimitExceededError, RequestLimits, RolloutRequest,
+                      StopReason, Task, TokenOutput)
 from rollout.config import ARModelConfig, RolloutConfig
 
 AR_VERSION = "base"
@@ -47,20 +47,22 @@ def build_causal_lm(config: ARModelConfig, tokenizer) -> LlamaForCausalLM:
 class ARStrategy:
     """RolloutRequest(task=TEXT) -> one TokenOutput per row (seed)."""
 
-    def __init__(self, config: RolloutConfig, model: LlamaForCausalLM, tokenizer):
+    def __init__(self, config: RolloutConfig, model: LlamaForCausalLM, tokenizer,
+                 limits: RequestLimits):
         self.config = config
+        self.limits = limits
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_id = int(model.config.eos_token_id)
 
     @classmethod
-    def build(cls, config: RolloutConfig) -> "ARStrategy":
+    def build(cls, config: RolloutConfig, limits: RequestLimits) -> "ARStrategy":
         path = config.ar.tokenizer_path or default_tokenizer_dir()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(config, build_causal_lm(config.ar, tokenizer), tokenizer)
+        return cls(config, build_causal_lm(config.ar, tokenizer), tokenizer, limits)
 
     def validate(self, request: RolloutRequest) -> None:
-        rid, limits = request.request_id, self.config.request_limits
+        rid, limits = request.request_id, self.limits
         if request.task != Task.TEXT:
             raise InvalidRequestError("the AR strategy serves text generation", field="task",
                                       expected=Task.TEXT.value, actual=request.task.value,

@@ -6,10 +6,9 @@ exactly one place, `rollout.strategy.build_strategy`; the engine kind in `rollou
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from contract import RequestLimits
 
 
 class StrategyKind(str, Enum):
@@ -66,9 +65,14 @@ class RolloutConfig(_Config):
 
     strategy: StrategyKind = StrategyKind.DIFFUSION
     engine: EngineKind = EngineKind.EMBEDDED
-    adapter: str = Field("tiny_t2i", description="Adapter name in adapters.registry.")
-    weights_path: str | None = Field(None, description="Local weights dir; None = shipped weights.")
+    adapter: str = Field("tiny_t2i", description="Model family in adapters.registry, or 'auto' "
+                         "(from the checkpoint's model_index.json).")
+    weights_path: str | None = Field(None, description="Local checkpoint dir; None = the "
+                                     "weights an embedded family ships.")
+    adapter_options: dict[str, Any] = Field(default_factory=dict, description="The family's "
+                                            "own settings (e.g. sd3: max_sequence_length).")
     device: str = Field("cpu", description="torch device of the embedded engine.")
+    dtype: str = Field("float32", description="Weights dtype of the transformer(s) (float32, "
+                       "bfloat16, float16); sampler math and trajectories stay fp32.")
     limits: EngineLimits = Field(default_factory=EngineLimits)
-    request_limits: RequestLimits = Field(default_factory=RequestLimits)
     ar: ARModelConfig = Field(default_factory=ARModelConfig)

@@ -21,48 +21,39 @@ from typing import Mapping
 
 import torch
 
-from adapters.base import Components, DiffusionAdapter, TextCondition
-from contract import (InvalidRequestError, LimitExceededError, MediaArtifact, QueueFullError,
-                      ReplicaFailedError, RequestCancelledError, RolloutError, SamplerKind,
-                      StopReason, Trajectory, collect_artifacts)
-from diffusion.conventions import model_time, to_sigma_velocity
-from diffusion.guidance import cfg_velocity
+from adapters.family import ModelFamily
+from adapters.lora_targets import LoRATargetMap
+from contract import (Condition, InvalidRequestError, LimitExceededError, MediaArtifact,
+                      QueueFullError, ReplicaFailedError, RequestCancelledError, RolloutError,
+                      SamplerKind, StopReason, Trajectory, collect_artifacts)
+from diffusion.conventions import model_time
 from diffusion.noise import initial_noise, row_noise
-from diffusion.samplers import sampler_step
-from diffusion.schedule import flow_match_sigmas
+from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity, transition
 from rollout.config import EngineLimits
 from rollout.engine_api import EngineRequest, EngineResult
 from rollout.engine_state import BatchKey, RequestState, schedule
-from rollout.lora import LoRASlots
-
-
-def _cat_cond(conds: list[TextCondition]) -> TextCondition:
-    pooled = None if conds[0].pooled is None else torch.cat([c.pooled for c in conds])
-    return TextCondition(torch.cat([c.hidden for c in conds]), torch.cat([c.mask for c in conds]),
-                         pooled)
-
-
-def _repeat_cond(cond: TextCondition, rows: int, device: torch.device) -> TextCondition:
-    if cond.hidden.shape[0] != 1:
-        raise InvalidRequestError("an engine request carries one prompt condition (1, L, D)",
-                                  field="cond.hidden", expected="(1, L, D)",
-                                  actual=tuple(cond.hidden.shape))
-    rep = lambda t: None if t is None else t.to(device).expand(rows, *t.shape[1:]).contiguous()
-    return TextCondition(rep(cond.hidden), rep(cond.mask), rep(cond.pooled))
+from rollout.lora import LoRASlotGroup
 
 
 class EmbeddedEngine:
-    """In-process engine over one adapter's inference-form transformer with LoRA slots."""
+    """In-process engine over one family's transformer(s) (the training form, served as is)
+    with versioned LoRA slots on each.
 
-    def __init__(self, adapter: DiffusionAdapter, components: Components,
+    models: component -> transformer module (e.g. {"transformer": ...}, two for Wan 2.2);
+    media_modules: the components that encode condition media (a VAE), empty if none.
+    """
+
+    def __init__(self, family: ModelFamily, models: Mapping[str, torch.nn.Module],
+                 media_modules: Mapping[str, torch.nn.Module] | None = None,
                  limits: EngineLimits | None = None, device: str = "cpu"):
-        self.adapter = adapter
-        self.components = components
+        self.family = family
         self.limits = limits or EngineLimits()
         self.device = torch.device(device)
-        self.model = adapter.to_inference_form(components.transformer).to(self.device).eval()
-        self.slots = LoRASlots(self.model, adapter.lora_map,
-                               self.limits.max_resident_lora_versions)
+        self.models = {name: m.to(self.device).eval() for name, m in models.items()}
+        self.media_modules = dict(media_modules or {})
+        maps = {name: LoRATargetMap.identity(family.spec.lora_targets[name])
+                for name in self.models}
+        self.slots = LoRASlotGroup(self.models, maps, self.limits.max_resident_lora_versions)
         self._cv = threading.Condition()
         self._intake: list[tuple[EngineRequest, concurrent.futures.Future, float]] = []
         self._running: list[RequestState] = []
@@ -71,7 +62,7 @@ class EmbeddedEngine:
         self._tick = 0
         self._paused = False
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{adapter.name}",
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{family.name}",
                                         daemon=True)
         self._thread.start()
 
@@ -192,77 +183,73 @@ class EmbeddedEngine:
 
     def _new_state(self, request: EngineRequest, future: concurrent.futures.Future,
                    enqueued: float) -> RequestState:
-        rr, adapter = request.request, self.adapter
+        rr, family = request.request, self.family
         sampling, rid = rr.sampling, rr.request_id
-        guided = sampling.guidance_scale != 1.0
-        if guided and request.negative is None:
-            raise InvalidRequestError("guidance_scale != 1 needs the unconditional condition",
-                                      field="negative", expected="TextCondition", actual=None,
+        guided = doubles_rows(family.spec.guidance, sampling.guidance_scale)
+        if guided != (request.negative is not None):
+            raise InvalidRequestError("the unconditional condition is given exactly when CFG "
+                                      "doubles the rows", field="negative",
+                                      expected="Condition" if guided else None,
+                                      actual=None if request.negative is None else "Condition",
                                       request_id=rid)
         if sampling.sampler != SamplerKind.ODE and sampling.noise_level == 0 and \
                 sampling.window[1] > sampling.window[0]:
             raise InvalidRequestError("a stochastic window needs noise_level > 0 (no log-prob "
                                       "exists at 0)", field="sampling.noise_level",
                                       expected="> 0", actual=0.0, request_id=rid)
-        shape = tuple(adapter.state_shape(sampling))
+        shape = tuple(family.codec.state_shape(sampling))
         rows = sampling.samples_per_prompt
-        sigmas = flow_match_sigmas(sampling.num_steps, adapter.schedule_shift)
-        times = model_time(sigmas[:-1], adapter.time_convention, adapter.model_time_scale)
-        media = {role: t.to(self.device) for role, t in request.media.items()}
-        cond_latents = adapter.encode_media(self.components, sampling, media) if media else {}
-        x = initial_noise(sampling.seeds, shape).to(self.device, torch.float32)   # (B, *S)
-        x = adapter.apply_conditions(x, cond_latents)
-        cond = _repeat_cond(request.cond, rows, self.device)
-        negative = _repeat_cond(request.negative, rows, self.device) if guided else None
-        if negative is not None and negative.hidden.shape != cond.hidden.shape:
+        sigmas = family.sigmas(sampling).to(torch.float32)
+        times = model_time(sigmas[:-1], family.denoiser.time_convention,
+                           family.denoiser.model_time_scale)
+        media = family.codec.encode_media(self.media_modules, sampling, dict(request.media))
+        x = initial_noise(sampling.seeds, shape).to(self.device, torch.float32)     # (B, *S)
+        frozen = None
+        if media.frozen is not None:
+            frozen = FrozenLatents(media.frozen.mask.expand(rows, *shape).to(self.device),
+                                   media.frozen.values.expand(rows, *shape).to(self.device))
+            x = frozen.apply(x)
+        cond = request.cond.expand_rows(rows).to(self.device)
+        negative = request.negative.expand_rows(rows).to(self.device) if guided else None
+        if negative is not None and negative.batch_key() != cond.batch_key():
             raise InvalidRequestError("conditional and unconditional prompts must have the same "
-                                      "padded shape", field="negative.hidden",
-                                      expected=tuple(cond.hidden.shape),
-                                      actual=tuple(negative.hidden.shape), request_id=rid)
-        key = BatchKey(shape, guided, request.policy_version, tuple(cond.hidden.shape[1:]),
-                       None if cond.pooled is None else tuple(cond.pooled.shape[1:]),
-                       tuple(sorted(r.value for r in cond_latents)))
+                                      "shapes", field="negative", expected=cond.batch_key(),
+                                      actual=negative.batch_key(), request_id=rid)
+        inputs = {k: v.to(self.device).expand(rows, *v.shape[1:]) for k, v in media.inputs.items()}
+        key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
+                       media.batch_key())
         return RequestState(request, future, key, sigmas.to(self.device), times.to(self.device),
-                            x, cond, negative, cond_latents, enqueued, next(self._order))
+                            x, cond, negative, inputs, frozen, enqueued, next(self._order))
 
     def _execute(self, batch: list[RequestState]) -> None:
+        """One forward for every row of the batch, then each request's own sampler step."""
         self._tick += 1
         now = time.perf_counter()
         head = batch[0]
         x = torch.cat([s.x for s in batch])                                        # (R, *S)
         sigma = torch.cat([s.sigmas[s.step].expand(s.rows) for s in batch])        # (R,)
-        t = torch.cat([s.model_times[s.step].expand(s.rows) for s in batch])       # (R,)
-        cond = _cat_cond([s.cond for s in batch])
-        media = {role: torch.cat([s.cond_latents[role].expand(s.rows, *s.cond_latents[role]
-                                                                .shape[1:]) for s in batch])
-                 for role in head.cond_latents}
-        if head.key.guided:                       # [cond rows; uncond rows] in one forward
-            x_in, t_in = torch.cat([x, x]), torch.cat([t, t])
-            cond_in = _cat_cond([cond, _cat_cond([s.negative for s in batch])])
-            media_in = {role: torch.cat([m, m]) for role, m in media.items()}
-        else:
-            x_in, t_in, cond_in, media_in = x, t, cond, media
+        cond = Condition.cat([s.cond for s in batch])
+        scales = torch.cat([torch.full((s.rows,), s.request.request.sampling.guidance_scale)
+                            for s in batch])
+        uncond = Condition.cat([s.negative for s in batch]) if head.key.guided else None
+        media = {k: torch.cat([s.inputs[k] for s in batch]) for k in head.inputs}
+        guidance = Guidance.of(self.family.spec.guidance, scales, uncond)
         with self.slots.active(head.key.policy_version):
-            raw = self.adapter.model_forward(self.model, x_in.to(self.model.dtype), t_in, cond_in,
-                                             media_in or None)
-        v_all = to_sigma_velocity(raw.float(), self.adapter.time_convention)       # (R or 2R, *S)
-        rows = x.shape[0]
-        offset = 0
+            v_all = predict_velocity(self.family.denoiser, self.models, x, sigma, cond, guidance,
+                                     media)                                        # (R, *S) fp32
+        rows, offset = x.shape[0], 0
         for state in batch:
             sl = slice(offset, offset + state.rows)
             offset += state.rows
-            sampling = state.request.request.sampling
-            v = v_all[sl]
-            if head.key.guided:
-                v = cfg_velocity(v_all[rows:][sl], v, sampling.guidance_scale)
-            self._step(state, x[sl], v, sampling)
+            self._step(state, x[sl], v_all[sl])
             state.batch_rows.append(rows)
             state.last_tick = self._tick
             if state.started_at is None:
                 state.started_at = now
 
-    def _step(self, state: RequestState, x: torch.Tensor, v: torch.Tensor, sampling) -> None:
+    def _step(self, state: RequestState, x: torch.Tensor, v: torch.Tensor) -> None:
         """One sampler step of one request (its own sigma, window, seeds, step index)."""
+        sampling = state.request.request.sampling
         j, kind = state.step, state.step_kind()
         start, end = state.window
         sigma = state.sigmas[j].expand(state.rows)
@@ -272,12 +259,12 @@ class EmbeddedEngine:
         noise = None
         if kind != SamplerKind.ODE:
             noise = row_noise(sampling.seeds, j, tuple(x.shape[1:])).to(x.device, torch.float32)
-        out = sampler_step(kind, x, v, sigma, sigma_next, sampling.noise_level, noise)
-        x_next = self.adapter.apply_conditions(out.prev_sample, state.cond_latents)
+        out = transition(kind, x, v, sigma, sigma_next, sampling.noise_level, noise,
+                         frozen=state.frozen)
         if start <= j < end:
             state.log_probs.append(out.log_prob.float())
-            state.traj_latents.append(x_next.float().clone())
-        state.x = x_next
+            state.traj_latents.append(out.prev_sample.float().clone())
+        state.x = out.prev_sample
         state.step = j + 1
 
     # ---- update -----------------------------------------------------------------------------
@@ -296,10 +283,11 @@ class EmbeddedEngine:
     def _result(self, state: RequestState) -> EngineResult:
         request, rid = state.request, state.request_id
         sampling = request.request.sampling
-        named = self.adapter.split_state(state.x, sampling)
-        produced = [MediaArtifact(self.adapter.io_spec[name], named[name].float())
+        io_spec = self.family.io_spec
+        named = self.family.codec.split_state(state.x, sampling)
+        produced = [MediaArtifact(io_spec[name], named[name].float().cpu())
                     for name in request.latent_artifacts if name in named]
-        latents = collect_artifacts(self.adapter.io_spec, request.latent_artifacts, produced, rid)
+        latents = collect_artifacts(io_spec, request.latent_artifacts, produced, rid)
         log_probs = torch.stack(state.log_probs, dim=1) if state.log_probs else \
             torch.zeros(state.rows, 0)                                              # (B, W)
         trajectory = Trajectory(
@@ -307,7 +295,8 @@ class EmbeddedEngine:
             sigmas=state.sigmas.cpu(), model_timesteps=state.model_times.cpu(),
             log_probs=log_probs.cpu(), window=state.window, sampler=sampling.sampler,
             noise_level=sampling.noise_level, guidance_scale=sampling.guidance_scale,
-            seeds=sampling.seeds, policy_version=request.policy_version)
+            seeds=sampling.seeds, policy_version=request.policy_version,
+            frozen_mask=None if state.frozen is None else state.frozen.mask[:1].cpu())
         done = time.perf_counter()
         started = state.started_at or done
         metrics = {"queue_time_s": started - state.enqueued_at,

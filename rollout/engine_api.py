@@ -11,8 +11,7 @@ from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
-from adapters.base import TextCondition
-from contract import MediaArtifact, MediaRole, RolloutRequest, StopReason, Trajectory
+from contract import Condition, MediaArtifact, MediaRole, RolloutRequest, StopReason, Trajectory
 
 
 @dataclass(frozen=True)
@@ -20,8 +19,8 @@ class EngineRequest:
     """A validated request with its encoded prompt (rows = samples_per_prompt)."""
 
     request: RolloutRequest
-    cond: TextCondition                      # (1, L, D) for the prompt; the engine repeats per row
-    negative: TextCondition | None           # unconditional branch for CFG, None if guidance == 1
+    cond: Condition                          # one row (the prompt); the engine repeats it per row
+    negative: Condition | None               # unconditional branch, exactly when CFG doubles rows
     latent_artifacts: tuple[str, ...]        # latent artifact names to return
     media: Mapping[MediaRole, torch.Tensor]  # canonical condition media (decoded)
     policy_version: str                      # resolved version to sample with

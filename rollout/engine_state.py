@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapters.base import TextCondition
-from contract import MediaRole, SamplerKind
+from contract import Condition, SamplerKind
+from diffusion.step import FrozenLatents
 from diffusion.windows import uses_sde
 from rollout.engine_api import EngineRequest
 
@@ -25,9 +25,8 @@ class BatchKey:
     state_shape: tuple[int, ...]          # per-row sampler state S
     guided: bool                          # CFG on (rows doubled with the unconditional branch)
     policy_version: str                   # LoRA version applied to the forward
-    cond_shape: tuple[int, ...]           # (L, D) of the text condition
-    pooled_shape: tuple[int, ...] | None  # (P,) or None
-    media_roles: tuple[str, ...]          # condition latents the forward takes
+    cond: tuple                           # Condition.batch_key(): names, per-row shapes, dtypes
+    media: tuple                          # MediaCondition.batch_key(): frozen state / inputs
 
 
 @dataclass
@@ -40,9 +39,10 @@ class RequestState:
     sigmas: torch.Tensor                  # (N+1,) fp32 schedule
     model_times: torch.Tensor             # (N,) fp32 time actually fed to the model per step
     x: torch.Tensor                       # (B, *S) fp32 current sampler state
-    cond: TextCondition                   # (B, L, D) repeated per row
-    negative: TextCondition | None        # (B, L, D) or None
-    cond_latents: dict[MediaRole, torch.Tensor]
+    cond: Condition                       # B rows (the prompt repeated per row)
+    negative: Condition | None            # B rows when CFG doubles them, else None
+    inputs: dict[str, torch.Tensor]       # media inputs of the forward, (B, ...) each
+    frozen: FrozenLatents | None          # condition entries held in the state, (B, *S)
     enqueued_at: float
     order: int                            # admission order (FIFO tie-break)
     step: int = 0

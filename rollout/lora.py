@@ -26,7 +26,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from adapters.base import LoRATargetMap
+from adapters.lora_targets import LoRATargetMap
 from contract import LoRAMapError, PolicyVersionError
 
 BASE_VERSION = "base"
@@ -260,3 +260,102 @@ class LoRASlots:
                 out[..., d.start:d.stop] += d.scale * ((x @ d.a.T) @ d.b.T)
             return out
         return hook
+
+
+def split_by_component(tensors: Mapping[str, torch.Tensor],
+                       components: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """One family transformer: the tensors as they are. Several (Wan 2.2's two experts): every
+    name starts with its component ("transformer_2.blocks.0...."), stripped here."""
+    if len(components) == 1:
+        return {components[0]: dict(tensors)}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        component, _, rest = key.partition(".")
+        if component not in components or not rest:
+            raise LoRAMapError("with several transformers a LoRA tensor name starts with its "
+                               "component", field=f"lora[{key}]",
+                               expected=[f"{c}.<module>.lora_A.weight" for c in components],
+                               actual=key)
+        out.setdefault(component, {})[rest] = value
+    return out
+
+
+class LoRASlotGroup:
+    """LoRASlots on each transformer of a family, versioned together: a version may train one
+    expert or all (an expert the version does not name runs with its base weights)."""
+
+    def __init__(self, models: Mapping[str, nn.Module], maps: Mapping[str, LoRATargetMap],
+                 max_versions: int = 3):
+        self.components = tuple(models)
+        self.slots = {name: LoRASlots(models[name], maps[name], max_versions) for name in models}
+        self.lock = threading.RLock()
+        self._versions: OrderedDict[str, tuple[str, ...]] = OrderedDict()   # version -> parts
+        self.max_versions = max_versions
+
+    def versions(self) -> tuple[str, ...]:
+        return (BASE_VERSION, *self._versions)
+
+    @property
+    def latest(self) -> str:
+        return next(reversed(self._versions), BASE_VERSION)
+
+    def check(self, version: str, request_id: str | None = None) -> None:
+        if version not in self.versions():
+            raise PolicyVersionError("policy version is not resident on this replica",
+                                     field="policy_version", expected=list(self.versions()),
+                                     actual=version, request_id=request_id)
+
+    def load(self, version: str, tensors: Mapping[str, torch.Tensor], scale: float = 1.0,
+             pinned: frozenset[str] = frozenset(), copy: bool = True) -> None:
+        if version == BASE_VERSION:
+            raise PolicyVersionError("'base' is the model without LoRA and cannot be loaded",
+                                     field="version", actual=version)
+        if version in pinned:
+            raise PolicyVersionError("version is in use by running requests; load it under a "
+                                     "new name", field="version", actual=version)
+        parts = split_by_component(tensors, self.components)
+        if not parts:
+            raise LoRAMapError("LoRA has no tensors (zero matched modules)", field="lora",
+                               expected="lora_A/lora_B pairs", actual=0)
+        with self.lock:
+            if version in self._versions:
+                self.unload(version, pinned)
+            while len(self._versions) >= self.max_versions:
+                victim = next((v for v in self._versions if v not in pinned), None)
+                if victim is None:
+                    raise PolicyVersionError("every resident version is in use; cannot evict",
+                                             field="version", expected=f"<= {self.max_versions}"
+                                             " resident", actual=list(self._versions))
+                self.unload(victim, pinned)
+            done: list[str] = []
+            try:
+                for name, part in parts.items():
+                    self.slots[name].load(version, part, scale, pinned, copy)
+                    done.append(name)
+            except Exception:
+                for name in done:                 # all parts or none
+                    self.slots[name].unload(version, pinned)
+                raise
+            self._versions[version] = tuple(parts)
+
+    def unload(self, version: str, pinned: frozenset[str] = frozenset()) -> None:
+        with self.lock:
+            if version not in self._versions:
+                raise PolicyVersionError("version is not resident", field="version",
+                                         expected=list(self.versions()), actual=version)
+            for name in self._versions.pop(version):
+                self.slots[name].unload(version, pinned)
+
+    @contextmanager
+    def active(self, version: str) -> Iterator[None]:
+        """Forwards inside this block run `version` on every transformer that carries it."""
+        from contextlib import ExitStack
+        with self.lock:
+            self.check(version)
+            if version != BASE_VERSION:
+                self._versions.move_to_end(version)
+            parts = self._versions.get(version, ())
+            with ExitStack() as stack:
+                for name in parts:
+                    stack.enter_context(self.slots[name].active(version))
+                yield

@@ -15,8 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from adapters.sample_clip import frame_grid, generate_clips
-from adapters.tiny_t2va import TinyT2VAAdapter
+from adapters.sample import LocalModels, generate
+from adapters.sample_clip import frame_grid
+from adapters.tiny_t2va import TinyT2VAFamily
 from contract import MediaArtifact, MediaRole
 from rewards.base import ScoreRequest
 from rewards.verifiers.av import AVSyncScorer, ConditionFrameScorer, PitchColorScorer
@@ -31,14 +32,14 @@ def shift_audio(audio: torch.Tensor, frames: int, sample_rate: int, fps: float) 
     return out
 
 
-def evaluate(adapter: TinyT2VAAdapter, components, n: int = 32, seed: int = 10_000,
+def evaluate(adapter: TinyT2VAFamily, components: LocalModels, n: int = 32, seed: int = 10_000,
              steps: int = 20, guidance: float = 3.0) -> tuple[dict, np.ndarray]:
     specs = sample_specs(n, seed)
     prompts = [caption(s) for s in specs]
     real = [render(s) for s in specs]
     spec_v, spec_a = adapter.io_spec["video"], adapter.io_spec["audio"]
     fps, sr = spec_v.fps, spec_a.sample_rate
-    gen = generate_clips(adapter, components, prompts, list(range(n)), steps, guidance)
+    gen = generate(adapter, components, prompts, list(range(n)), steps, guidance)
 
     def arts(video, audio):
         return {"video": MediaArtifact(spec_v, video), "audio": MediaArtifact(spec_a, audio)}
@@ -64,7 +65,7 @@ def evaluate(adapter: TinyT2VAAdapter, components, n: int = 32, seed: int = 10_0
                            for k in ("pitch_color", "pitch_caption", "pitch_video")})
     # FL2VA: condition on the real clips' first / last frames
     media = {MediaRole.FIRST_FRAME: real_v[:, 0], MediaRole.LAST_FRAME: real_v[:, -1]}
-    fl = generate_clips(adapter, components, prompts, list(range(n)), steps, guidance, media)
+    fl = generate(adapter, components, prompts, list(range(n)), steps, guidance, media)
     meta = tuple({"first_frame": real_v[i, 0], "last_frame": real_v[i, -1]} for i in range(n))
     other = meta[1:] + meta[:1]
     cf = ConditionFrameScorer()
@@ -91,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--grid", default=None, help="PNG: rows = 4 real, 4 T2VA, 4 FL2VA clips")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    adapter = TinyT2VAAdapter()
-    components = adapter.load(args.weights)
+    adapter = TinyT2VAFamily(args.weights)
+    components = LocalModels.load(adapter)
     report, grid = evaluate(adapter, components, args.n, steps=args.steps, guidance=args.guidance)
     text = json.dumps(report, indent=2)
     print(text)

@@ -28,9 +28,10 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from adapters.base import TextCondition
-from adapters.tiny_t2i import TinyT2IAdapter, image_to_unit, vae_encode
-from contract import ConfigError
+from adapters.sample import LocalModels
+from adapters.tiny_t2i import TinyT2IFamily, image_to_unit, vae_encode
+from contract import Condition, ConfigError
+from diffusion.step import Guidance, predict_velocity
 from scripts.t2i_report import evaluate, evaluate_vae, plot_losses, write_model_card
 from synthetic.shapes import (BACKGROUND_RGB, EXTENTS, MAX_OFFSET, ImageSpec, Split, caption,
                               render_batch, sample_specs, split_combinations)
@@ -162,19 +163,21 @@ def fit_latent_normalisation(vae, seed: int, n: int = 512) -> tuple[float, float
     return shift, scale
 
 
-def caption_table(adapter: TinyT2IAdapter, text_encoder) -> tuple[dict[str, int], TextCondition]:
+def caption_table(family: TinyT2IFamily, encoders) -> tuple[dict[str, int], Condition]:
     """Encode every train caption (and "" at index 0) once: the encoder is frozen."""
     texts = [""] + [caption(ImageSpec(*c)) for c in split_combinations(Split.TRAIN)]
-    return {t: i for i, t in enumerate(texts)}, adapter.encode(text_encoder,
-                                                                adapter.tokenize(texts))
+    conditioner = family.conditioner
+    return {t: i for i, t in enumerate(texts)}, conditioner.encode(encoders,
+                                                                    conditioner.tokenize(texts))
 
 
-def flow_matching_loss(adapter, transformer, x0: torch.Tensor, cond: TextCondition,
+def flow_matching_loss(family, transformer, x0: torch.Tensor, cond: Condition,
                        sigma: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """MSE(v_theta(x_sigma, sigma), eps - x0). x0, eps: (B, C, h, w); sigma: (B,)."""
     s = sigma[:, None, None, None]
     x_sigma = (1 - s) * x0 + s * eps
-    v = adapter.model_forward(transformer, x_sigma, adapter.model_time_scale * sigma, cond)
+    v = predict_velocity(family.denoiser, {"transformer": transformer}, x_sigma, sigma, cond,
+                         Guidance.none(x0.shape[0]))
     return ((v - (eps - x0)) ** 2).mean()
 
 
@@ -194,14 +197,14 @@ class LatentCache:
         return torch.stack([self.latents[s] for s in specs])              # (B, 4, 8, 8)
 
 
-def train_dit(adapter, transformer, vae, table: dict[str, int], cond_all: TextCondition,
+def train_dit(adapter, transformer, vae, table: dict[str, int], cond_all: Condition,
               steps: int, batch_size: int, lr: float, dropout: float, seed: int
               ) -> tuple[list[float], float, float]:
     """Returns (loss per step, probe loss before, after) (probe: fixed batch, noise, sigmas)."""
     gen = torch.Generator().manual_seed(seed + 1)
     encode = LatentCache(vae)
 
-    def batch(step: int, drop: bool) -> tuple[torch.Tensor, TextCondition, torch.Tensor,
+    def batch(step: int, drop: bool) -> tuple[torch.Tensor, Condition, torch.Tensor,
                                                torch.Tensor]:
         specs = sample_specs(batch_size, seed * 1_000_003 + step + 7)
         x0 = encode(specs)                                                # (B, 4, 8, 8)
@@ -275,10 +278,10 @@ def parse_args(argv: Sequence[str] | None):
 def run(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    adapter = TinyT2IAdapter()
     base = None
     if args.init_from is not None:
-        components = adapter.load(str(args.init_from))
+        adapter = TinyT2IFamily(args.init_from)
+        components = {name: adapter.load(name) for name in ("transformer", "vae")}
         base_path = args.init_from / "pretrain_report.json"
         if not base_path.is_file():
             raise ConfigError("--init-from needs the pretrain report of the weights",
@@ -286,8 +289,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         base = json.loads(base_path.read_text())
         base = base.get("base") or base                          # the run that trained VAE+DiT
     else:
+        adapter = TinyT2IFamily()
         components = adapter.build(seed=args.seed)
-    vae, transformer = components.decoders["image_latent"], components.transformer
+    vae, transformer = components["vae"], components["transformer"]
     times, losses = {}, {}
     probe = render_batch(sample_specs(64, 10**9 + args.seed))
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
@@ -300,7 +304,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         shift, scale = fit_latent_normalisation(vae, args.seed + 2)
         times["vae"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        table, cond_all = caption_table(adapter, components.text_encoder)
+        table, cond_all = caption_table(adapter, adapter.load_encoders())
         losses["DiT flow matching"], *dit_probe = train_dit(
             adapter, transformer, vae, table, cond_all, args.dit_steps, args.batch_size,
             args.dit_lr, args.caption_dropout, args.seed)
@@ -318,10 +322,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
     t0 = time.perf_counter()
     evaluation = {}
     if args.eval_samples > 0:
+        local = LocalModels({"transformer": transformer}, adapter.load_encoders(), {},
+                            {"image_latent": {"vae": vae}})
         evaluation["vae_reconstruction"] = {"renders": evaluate_vae(vae, args.eval_samples,
                                                                     1_000_000)}
         for split, seed in ((Split.EVAL, 2_000_000), (Split.TRAIN, 3_000_000)):
-            evaluation[split.value] = evaluate(adapter, components, split, args.eval_samples,
+            evaluation[split.value] = evaluate(adapter, local, split, args.eval_samples,
                                                seed, args.eval_steps, args.guidance)
     times["eval"] = time.perf_counter() - t0
     report = {"argv": list(argv) if argv is not None else [],

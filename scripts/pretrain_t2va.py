@@ -22,9 +22,9 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from adapters.tiny_t2va import TinyT2VAAdapter
+from adapters.tiny_t2va import TinyT2VAConfig, TinyT2VAFamily
 from contract import MediaRole
-from diffusion.conventions import model_time, to_sigma_velocity
+from diffusion.step import Guidance, predict_velocity
 from synthetic.clips import caption, render, sample_specs
 
 
@@ -93,32 +93,32 @@ def train_audio_vae(vae, audio: torch.Tensor, steps: int, batch: int, lr: float,
     return losses
 
 
-def train_dit(adapter: TinyT2VAAdapter, components, video: torch.Tensor, audio: torch.Tensor,
+def train_dit(adapter: TinyT2VAFamily, components, video: torch.Tensor, audio: torch.Tensor,
               captions: list[str], steps: int, batch: int, lr: float, p_uncond: float,
               p_fl2va: float, gen: torch.Generator, warmup: int = 100) -> list[float]:
-    vvae, avae = components.decoders["video_latent"], components.decoders["audio_latent"]
+    vvae, avae = components["video_vae"], components["audio_vae"]
+    codec, conditioner = adapter.codec, adapter.conditioner
     with torch.no_grad():
-        lat_v = torch.cat([adapter.encode_video(vvae, video[i:i + 64]) for i in range(0, len(video), 64)])
-        lat_a = torch.cat([adapter.encode_audio(avae, audio[i:i + 64]) for i in range(0, len(audio), 64)])
-        x0_all = adapter.pack(lat_v, lat_a)                                         # (n, S)
+        lat_v = torch.cat([codec.encode_video(vvae, video[i:i + 64]) for i in range(0, len(video), 64)])
+        lat_a = torch.cat([codec.encode_audio(avae, audio[i:i + 64]) for i in range(0, len(audio), 64)])
+        x0_all = codec.pack(lat_v, lat_a)                                           # (n, S)
         unique = sorted(set(captions)) + [""]
-        prompts = adapter.tokenize(unique[:-1]) + [adapter.null_prompt()]
-        enc = adapter.encode(components.text_encoder, prompts)                      # (U, L, 384)
+        prompts = conditioner.tokenize(unique[:-1]) + [conditioner.null_prompt()]
+        enc = conditioner.encode(adapter.load_encoders(), prompts)                  # U rows
     cap_index = torch.tensor([unique.index(c) for c in captions])
     null_index = len(unique) - 1
-    net = components.transformer
+    net = components["transformer"]
     net.train().requires_grad_(True)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    conv, scale = adapter.time_convention, adapter.model_time_scale
-    nv = int(np.prod(adapter.video_latent_shape))
+    nv = int(np.prod(codec.video_latent_shape))
     losses = []
     for _ in tqdm(range(steps), desc="dit"):
         rows = torch.randint(len(x0_all), (batch,), generator=gen)
         x0 = x0_all[rows]
         ci = cap_index[rows].clone()
         ci[torch.rand(batch, generator=gen) < p_uncond] = null_index
-        cond = type(enc)(enc.hidden[ci], enc.mask[ci], enc.pooled[ci])
+        cond = enc.index_select(ci)
         sigma = torch.sigmoid(torch.randn(batch, generator=gen))                   # logit-normal
         eps = torch.randn(x0.shape, generator=gen)
         x = (1 - sigma[:, None]) * x0 + sigma[:, None] * eps                       # (B, S)
@@ -126,15 +126,16 @@ def train_dit(adapter: TinyT2VAAdapter, components, video: torch.Tensor, audio: 
         weight = torch.ones_like(x0)
         media = None
         if torch.rand((), generator=gen) < p_fl2va:   # FL2VA: clean first/last frames, frozen
-            v0, _ = adapter.unpack(x0)
-            media = {MediaRole.FIRST_FRAME: v0[:, :, 0], MediaRole.LAST_FRAME: v0[:, :, -1]}
-            x = adapter.apply_conditions(x, media)
+            v0, _ = codec.unpack(x0)
+            frames = {MediaRole.FIRST_FRAME: v0[:, :, 0], MediaRole.LAST_FRAME: v0[:, :, -1]}
+            x = codec.frozen_frames(frames).apply(x)
+            media = {"frame_flags": codec.frame_flags(frames).expand(batch, -1)}
             keep = torch.ones_like(v0)
             keep[:, :, 0] = 0
             keep[:, :, -1] = 0
             weight[:, :nv] = keep.flatten(1)
-        raw = adapter.model_forward(net, x, model_time(sigma, conv, scale), cond, media)
-        v_pred = to_sigma_velocity(raw, conv)
+        v_pred = predict_velocity(adapter.denoiser, {"transformer": net}, x, sigma, cond,
+                                  Guidance.none(batch), media)
         loss = ((v_pred - target) ** 2 * weight).sum() / weight.sum()
         opt.zero_grad()
         loss.backward()
@@ -188,26 +189,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    adapter = TinyT2VAAdapter()
-    components = adapter.build(seed=args.seed) if args.init is None else adapter.load(args.init)
+    adapter = TinyT2VAFamily(args.init) if args.init else TinyT2VAFamily(config=TinyT2VAConfig())
+    components = adapter.build(seed=args.seed) if args.init is None else \
+        {name: adapter.load(name) for name in ("transformer", "video_vae", "audio_vae")}
     if args.init is not None and args.dit_steps > 0 and (args.video_vae_steps or args.audio_vae_steps):
-        components.transformer = adapter.build(seed=args.seed).transformer  # new latents: fresh DiT
+        components["transformer"] = adapter.build(seed=args.seed)["transformer"]  # fresh DiT
     video, audio, captions = clip_pool(args.clips, args.seed)
     timings, curves = {}, {}
     t0 = time.time()
-    curves["video_vae"] = train_video_vae(components.decoders["video_latent"], video,
+    curves["video_vae"] = train_video_vae(components["video_vae"], video,
                                           args.video_vae_steps, args.vae_batch, args.vae_lr, gen)
     timings["video_vae_s"] = time.time() - t0
     t0 = time.time()
-    avae = components.decoders["audio_latent"].requires_grad_(True)
-    components.decoders["video_latent"].requires_grad_(True)
+    avae = components["audio_vae"].requires_grad_(True)
+    components["video_vae"].requires_grad_(True)
     curves["audio_vae"] = train_audio_vae(avae, audio, args.audio_vae_steps,
                                           args.vae_batch, args.vae_lr, gen)
     if args.audio_vae_steps > 0:
         with torch.no_grad():
             z = avae.encode(audio[:256]).latent_dist.mean
-        adapter.config = adapter.config.model_copy(update={"audio_latent_shift": float(z.mean()),
-                                                           "audio_latent_scale": float(1 / z.std())})
+        adapter.set_config(adapter.config.model_copy(update={
+            "audio_latent_shift": float(z.mean()), "audio_latent_scale": float(1 / z.std())}))
     timings["audio_vae_s"] = time.time() - t0
     t0 = time.time()
     curves["dit"] = train_dit(adapter, components, video, audio, captions, args.dit_steps,

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from adapters.sample import sample_images
+from adapters.sample import generate
 from adapters.tiny_t2i import vae_decode, vae_encode
 from contract import ArtifactSpec, Layout, MediaArtifact, Modality, Representation
 from rewards.base import ScoreRequest
@@ -18,13 +18,13 @@ IMAGE_SPEC = ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layou
                           source="image_latent")
 
 
-def evaluate(adapter, components, split: Split, n: int, seed: int, steps: int,
+def evaluate(family, models, split: Split, n: int, seed: int, steps: int,
              guidance: float) -> dict[str, dict[str, float]]:
     """Mean verifier scores of n sampled images vs their prompts and vs shuffled prompts."""
     specs = sample_specs(n, seed, split)
     prompts = [caption(s) for s in specs]
-    images = sample_images(adapter, components, prompts, [seed + i for i in range(n)], steps,
-                           guidance)
+    images = generate(family, models, prompts, [seed + i for i in range(n)], steps,
+                      guidance)["image"]
     scorer = ImageAttributeScorer()
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     result = {}

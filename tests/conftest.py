@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+pytest_plugins = ["tests.checkpoints"]   # tiny_checkpoint(family): real-layout tiny checkpoints
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

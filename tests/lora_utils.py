@@ -1,4 +1,4 @@
-"""Random peft-format LoRA tensors on an adapter's declared targets (for graph/trainer tests)."""
+"""Random peft-format LoRA tensors on a family's declared targets (for graph/trainer tests)."""
 from __future__ import annotations
 
 import torch
@@ -9,10 +9,10 @@ from adapters.inference_form import modules_with_suffix
 def random_lora(adapter, rank: int = 4, seed: int = 0, std: float = 0.05
                 ) -> tuple[dict[str, torch.Tensor], float]:
     """Both A and B random (so the LoRA changes outputs); names as peft saves them."""
-    transformer = adapter.load().transformer
+    transformer = adapter.load("transformer")
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for suffix in adapter.lora_map.train_target_modules:
+    for suffix in adapter.spec.lora_targets["transformer"]:
         for name, module in modules_with_suffix(transformer, suffix):
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, module.in_features,
                                                            generator=gen) * std

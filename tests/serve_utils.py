@@ -7,3 +7,31 @@ def replica_actors(app: str, deployment: str) -> list[tuple[str, str]]:
     import ray
     return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+
+
+class MemoryHog:
+    """A Serve deployment body under the stages' memory guard that allocates on request (the
+    memory-isolation test forces it past its declared bound)."""
+
+    def __init__(self):
+        from deployments.memory import guard_replica_memory
+        self.guard = guard_replica_memory("MemoryHog")
+        self.held: list = []
+
+    async def info(self) -> tuple[int, int | None, int]:
+        """(pid, the guard's bound, anonymous RSS now), bytes."""
+        import os
+
+        from deployments.memory import process_memory
+        return (os.getpid(), None if self.guard is None else self.guard.limit_bytes,
+                process_memory()["rss_anon_bytes"])
+
+    async def grow(self, mib: int, step_mib: int = 16) -> int:
+        """Hold `mib` more MiB of touched pages, `step_mib` at a time (the guard stops it)."""
+        import asyncio
+
+        import numpy as np
+        for _ in range(mib // step_mib):
+            self.held.append(np.ones(step_mib * 2**20, dtype=np.uint8))
+            await asyncio.sleep(0.02)
+        return len(self.held) * step_mib

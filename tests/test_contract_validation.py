@@ -293,15 +293,16 @@ def _over(field):
         sampling["seeds"] = tuple(range(5))
     elif field == "prompt.token_ids":
         tokens = (1,) * 9
-    elif field == "prompt.negative_token_ids":
+    elif field == "prompt.negative.token_ids":
         negative = (2,) * 9
     elif field == "prompt.encoder_token_ids.t5":
         extra = {"t5": (3,) * 9}
     elif field is not None:
         key = field.split(".")[1]
         sampling[key] += 1
-    return _request(prompt=PromptBundle(token_ids=tokens, negative_token_ids=negative,
-                                        encoder_token_ids=extra),
+    return _request(prompt=PromptBundle(token_ids=tokens, encoder_token_ids=extra,
+                                        negative=PromptBundle(token_ids=negative,
+                                                              encoder_token_ids=extra)),
                     sampling=SamplingSpec(**sampling))
 
 
@@ -311,7 +312,7 @@ def test_limits_at_the_bound_pass():
 
 @pytest.mark.parametrize("field", ["sampling.seeds", "sampling.num_steps", "sampling.height",
                                    "sampling.width", "sampling.num_frames", "prompt.token_ids",
-                                   "prompt.negative_token_ids", "prompt.encoder_token_ids.t5"])
+                                   "prompt.negative.token_ids", "prompt.encoder_token_ids.t5"])
 def test_each_limit(field):
     with pytest.raises(LimitExceededError) as e:
         check_limits(_over(field), LIMITS)

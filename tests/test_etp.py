@@ -16,7 +16,7 @@ import torch
 
 from contract import (ConfigError, InvalidRequestError, LimitExceededError, PromptBundle,
                       ReplicaFailedError)
-from deployments.encoder import TextEncoderServer, load_text_encoder
+from deployments.encoder import TextEncoderServer, load_encoders
 from deployments.etp import check_etp, param_bytes, valid_etp_values
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,21 +28,21 @@ TEXTS = ["a red circle on the left", "two small blue squares",
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     """A complete tiny_t2i weights folder (fresh DiT/VAE; the real MiniLM text encoder)."""
-    from adapters.registry import get_adapter
-    adapter = get_adapter("tiny_t2i")
+    from adapters.tiny_t2i import TinyT2IFamily
+    family = TinyT2IFamily()
     path = tmp_path_factory.mktemp("tiny_t2i_weights")
-    adapter.save(adapter.build(seed=0), path)
+    family.save(family.build(seed=0), path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def reference(weights):
-    """Prompts and the unsharded encoder's TextCondition for them (in this process)."""
-    from adapters.registry import get_adapter
-    adapter = get_adapter("tiny_t2i")
-    encoder = load_text_encoder(adapter, weights)
-    prompts = adapter.tokenize(TEXTS)
-    return prompts, adapter.encode(encoder, prompts), param_bytes(encoder)
+    """Prompts and the unsharded encoder's Condition for them (in this process)."""
+    from adapters.registry import get_family
+    family = get_family("tiny_t2i", weights)
+    encoders = load_encoders(family)
+    prompts = family.conditioner.tokenize(TEXTS)
+    return prompts, family.conditioner.encode(encoders, prompts), param_bytes(encoders, family)
 
 
 def test_etp_values_and_bad_etp(weights):
@@ -85,13 +85,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _check_condition(cond, ref, prompts) -> None:
-    assert cond.hidden.shape == ref.hidden.shape == (4, 32, 384)
-    assert torch.equal(cond.mask, ref.mask)
-    assert (cond.hidden - ref.hidden).abs().max().item() <= 1e-5
-    assert (cond.pooled - ref.pooled).abs().max().item() <= 1e-5
-    assert cond.token_ids == tuple(p.token_ids for p in prompts)
+    assert cond["hidden"].shape == ref["hidden"].shape == (4, 32, 384)
+    assert torch.equal(cond["mask"], ref["mask"])
+    assert (cond["hidden"] - ref["hidden"]).abs().max().item() <= 1e-5
+    assert (cond["pooled"] - ref["pooled"]).abs().max().item() <= 1e-5
+    assert cond.token_ids == tuple({"minilm": p.token_ids} for p in prompts)
     # pads differ per row: the mask really came from the ids as given
-    assert cond.mask.sum(1).tolist() == [len(p.token_ids) for p in prompts]
+    assert cond["mask"].sum(1).tolist() == [len(p.token_ids) for p in prompts]
 
 
 def test_etp1_runs_in_process(weights, reference):
@@ -122,7 +122,7 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
     try:
         cond = handle.encode.remote(prompts).result(timeout_s=120)
         _check_condition(cond, ref, prompts)
-        print(f"etp={etp} max abs diff {(cond.hidden - ref.hidden).abs().max().item():.2e}")
+        print(f"etp={etp} max abs diff {(cond['hidden'] - ref['hidden']).abs().max():.2e}")
 
         with pytest.raises(InvalidRequestError) as e:
             handle.encode.remote([]).result(timeout_s=60)

@@ -1,8 +1,10 @@
 """The rollout graph on a real local Ray cluster: handles, HTTP, versions, metrics, no tensors
-through the ingress, typed errors."""
+through the ingress, typed errors; the HTTP boundary (bounds checked before any allocation,
+fuzzed) and a replica over its memory bound taking nothing else with it."""
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import json
 import time
@@ -14,8 +16,8 @@ import torch
 from PIL import Image
 
 from contract import (ConfigError, GraphResult, MediaArtifact, PackedTensors, PolicyVersionError,
-                      RolloutRequest, SamplingSpec, ScorerFailedError, ScoreStatus, Task,
-                      UndeclaredArtifactError)
+                      RolloutRequest, SamplingSpec, ScoreStatus, Task, UndeclaredArtifactError,
+                      UnscorableInputError)
 from deployments.config import load_graph_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,9 +30,13 @@ def small_config(**over):
     cfg = {
         "app_name": APP,
         "rollout": {"adapter": "tiny_t2i"},
-        "rollout_stage": {"num_cpus": 0.5},
+        "rollout_stage": {"num_cpus": 0.5, "memory_mib": 1024},
+        "encoder": {"memory_mib": 1024},
+        "decoder": {"memory_mib": 1024},
+        "ingress": {"memory_mib": 1024},
         "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
-                     "inputs": ["image"], "reward": {"policy": "required"}}],
+                     "inputs": ["image"], "reward": {"policy": "required"},
+                     "stage": {"memory_mib": 768}}],
         "limits": {"max_prompts": 4, "max_samples_per_prompt": 8, "max_steps": 20,
                    "max_height": 32, "max_width": 32, "max_frames": 1},
         "policy_store": "graph_test_store",
@@ -50,26 +56,35 @@ def graph(ray_cluster):
 
 
 def make_request(adapter, text, seeds=(0, 1), steps=4, **kw) -> RolloutRequest:
-    bundle = adapter.tokenize([text])[0]
+    bundle = adapter.conditioner.tokenize([text])[0]
     return RolloutRequest(prompt=bundle, task=Task.T2I,
                           sampling=SamplingSpec(num_steps=steps, seeds=seeds), **kw)
 
 
 @pytest.fixture(scope="module")
 def adapter():
-    from adapters.registry import get_adapter
-    return get_adapter("tiny_t2i")
+    from adapters.registry import get_family
+    return get_family("tiny_t2i")
 
 
 def post(port, body: bytes | dict, path="/rollout"):
+    status, payload, _ = post_timed(port, body, path)
+    return status, payload
+
+
+def post_timed(port, body: bytes | dict, path="/rollout") -> tuple[int, dict, float]:
+    """(status, JSON body, the ingress's own time in ms from its Server-Timing header)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{PREFIX}{path}", data=data,
                                  method="POST", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
+            status, raw, headers = r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        status, raw, headers = e.code, e.read(), e.headers
+    timing = headers.get("Server-Timing", "")
+    server_ms = float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
+    return status, json.loads(raw), server_ms
 
 
 def test_handle_rollout_returns_typed_outputs_fetched_from_object_store(graph, adapter):
@@ -115,11 +130,14 @@ def test_requested_artifacts_only_and_undeclared_rejected(graph, adapter):
     assert err.value.field == "requested_artifacts"
 
 
-def test_required_scorer_failure_is_a_typed_error_naming_the_scorer(graph, adapter):
+def test_prompt_a_required_scorer_cannot_read_is_refused_before_any_stage(graph, adapter):
     from deployments.client import RolloutClient
-    with pytest.raises(ScorerFailedError) as err:
-        RolloutClient(graph).rollout([make_request(adapter, "an unparseable caption")])
-    assert "image_attributes" in err.value.field
+    good = make_request(adapter, "a red circle at the top left on a black background")
+    with pytest.raises(UnscorableInputError) as err:     # the handle API, like HTTP
+        RolloutClient(graph).rollout([good, make_request(adapter, "an unparseable caption")])
+    # the verifier's own check, run by the ingress first (a 422, not the scorer's 502)
+    assert err.value.field == "prompts[1]" and "image_attributes" in err.value.message
+    assert err.value.http_status == 422
 
 
 def test_policy_version_from_store_is_loaded_and_stamped(graph, adapter):
@@ -145,7 +163,7 @@ def test_policy_version_from_store_is_loaded_and_stamped(graph, adapter):
                                                      "background")])
     assert latest.policy_version == "v1"               # no version named -> the latest published
     with pytest.raises(PolicyVersionError):
-        client.rollout([make_request(adapter, "a red circle", policy_version="nope")])
+        client.rollout([make_request(adapter, CAPTION, policy_version="nope")])
 
 
 def test_http_rollout_json_and_previews(graph, ray_cluster):
@@ -169,17 +187,34 @@ def test_http_rollout_json_and_previews(graph, ray_cluster):
         assert json.loads(r.read())["status"] == "ok"
 
 
+CAPTION = "a red circle at the top left on a black background"
+
+
 @pytest.mark.parametrize("body, status, field", [
     (b"{not json", 400, "body"),
-    ({"prompts": ["a red circle"], "bogus": 1}, 422, "bogus"),
+    (b"\x80\x04\x95\x1c\x00\x00\x00\x00\x00\x00\x00}\x94.", 400, "body"),   # a pickle, not UTF-8
+    (b"[" * 100_000 + b"]" * 100_000, 400, "body"),                     # nested 10^5 deep
+    (b"[1]", 400, "body"),                                               # not an object
+    (b'{"prompts": ["' + CAPTION.encode() + b'"], "seed": 1, "seed": 2}', 400, "seed"),
+    (b'{"prompts": ["' + CAPTION.encode() + b'"], "guidance_scale": NaN}', 422,
+     "guidance_scale"),
+    ({"prompts": [CAPTION], "include_media": "yes"}, 422, "include_media"),   # no coercion
+    ({"prompts": [CAPTION], "num_steps": "4"}, 422, "num_steps"),
+    ({"prompts": [CAPTION], "bogus": 1}, 422, "bogus"),
     ({"prompts": []}, 422, "prompts"),
-    ({"prompts": ["a red circle"] * 5}, 413, "prompts"),
-    ({"prompts": ["a red circle"], "num_steps": 21}, 413, "sampling.num_steps"),
-    ({"prompts": ["a red circle"], "samples_per_prompt": 9}, 413, "sampling.seeds"),
-    ({"prompts": ["a red circle"], "height": 64}, 413, "sampling.height"),
-    ({"prompts": ["a red circle"], "artifacts": ["audio"]}, 400, "requested_artifacts"),
-    ({"prompts": ["a red circle"], "task": "t2va"}, 400, "task"),
-    ({"prompts": ["a red circle"], "sde_window": [3, 1]}, 422, "sde_window"),
+    ({"prompts": [""]}, 400, "prompts[0]"),
+    ({"prompts": [CAPTION, "   "]}, 400, "prompts[1]"),
+    ({"prompts": [CAPTION, "a purple hexagon in the center on a black background"]}, 422,
+     "prompts[1]"),                                    # outside the required verifier's words
+    ({"prompts": [CAPTION] * 5}, 413, "prompts"),
+    ({"prompts": [CAPTION], "num_steps": 21}, 413, "num_steps"),
+    ({"prompts": [CAPTION], "samples_per_prompt": 9}, 413, "samples_per_prompt"),
+    ({"prompts": [CAPTION], "height": 64}, 413, "height"),
+    ({"prompts": [CAPTION], "guidance_scale": 1e300}, 413, "guidance_scale"),
+    ({"prompts": [CAPTION], "seed": 2**64 - 1, "samples_per_prompt": 2}, 400, "seed"),
+    ({"prompts": [CAPTION], "artifacts": ["audio"]}, 400, "requested_artifacts"),
+    ({"prompts": [CAPTION], "task": "t2va"}, 400, "task"),
+    ({"prompts": [CAPTION], "sde_window": [3, 1]}, 422, "sde_window"),
     ({"prompts": ["x" * 2_000_000]}, 413, "body"),
 ])
 def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, field):
@@ -189,12 +224,135 @@ def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, fiel
     assert payload["error"]["type"] and payload["error"]["message"]
 
 
-def test_replicas_survive_bad_input(graph, ray_cluster):
-    for _ in range(3):
-        post(ray_cluster["http_port"], b"\xff\xfe garbage")
-    status, _ = post(ray_cluster["http_port"], {"prompts": ["a red circle in the center on a "
-                                                            "black background"], "num_steps": 2})
-    assert status == 200
+# Each refused by the HTTP layer as a number or a length, before anything proportional exists.
+OVERSIZED = [({"prompts": [CAPTION], "samples_per_prompt": 10**9}, "samples_per_prompt"),
+             ({"prompts": ["a"] * 10**5}, "prompts"),
+             ({"prompts": [CAPTION], "num_steps": 10**7}, "num_steps"),
+             ({"prompts": [CAPTION], "height": 10**6}, "height"),
+             ({"prompts": ["x" * 800_000]}, "prompts[0]")]
+
+
+def test_oversized_requests_are_refused_fast_without_growing_the_ingress(graph, ray_cluster):
+    """The ingress's own time (Server-Timing) and its peak RSS over 3 of each, from before
+    the first: the peak includes Serve delivering the body (about 4 MiB for 500 KB) and the
+    allocator's first growth, which later requests reuse."""
+    port = ray_cluster["http_port"]
+    median_ms: dict[str, float] = {}
+    growth_mib: dict[str, float] = {}
+    for body, field in OVERSIZED:
+        before = graph.stats.remote(reset_peak=True).result()     # peak RSS restarts here
+        times = []
+        for _ in range(3):
+            status, payload, server_ms = post_timed(port, body)
+            assert status == 413 and payload["error"]["field"] == field, payload
+            times.append(server_ms)
+        after = graph.stats.remote().result()
+        median_ms[field] = sorted(times)[1]
+        growth_mib[field] = round((after["peak_rss_bytes"] - before["rss_bytes"]) / 2**20, 2)
+    print(f"ingress time per refusal, median of 3 (ms): {median_ms}; ingress peak RSS growth "
+          f"(MiB): {growth_mib}")
+    assert max(median_ms.values()) < 50.0, median_ms     # measured by the ingress itself
+    assert max(growth_mib.values()) < 12.0, growth_mib   # 10^9 seeds alone would be GBs
+
+
+DEPLOYMENTS = ("RolloutGraph", "TextEncoder", "DiTRollout", "Decoder_image_latent",
+               "Scorer_image_attributes")
+
+
+def replica_pids(app: str, deployments=DEPLOYMENTS) -> dict[str, int]:
+    """Replica actor name -> pid, for every replica of `deployments` in `app`."""
+    import ray
+
+    from tests.serve_utils import replica_actors
+    actors = {name: ray.get_actor(name, namespace=ns)
+              for d in deployments for name, ns in replica_actors(app, d)}
+    return dict(zip(actors, ray.get([pid_of(a) for a in actors.values()])))
+
+
+def pid_of(actor):
+    import os
+    return actor.__ray_call__.remote(lambda _: os.getpid())
+
+
+def test_http_fuzz_answers_2xx_or_4xx_and_every_replica_survives(graph, ray_cluster):
+    """A few hundred random bodies: each answer is 2xx or a 4xx error object, never 5xx; no
+    replica is replaced; the ingress stays near its size; a valid request works after."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.http_fuzz import BODIES, VALID_BODY
+    port = ray_cluster["http_port"]
+    pids, before = replica_pids(APP), graph.stats.remote().result()
+    statuses: collections.Counter = collections.Counter()
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(BODIES)
+    def case(body: bytes):
+        status, payload = post(port, body)
+        statuses[status] += 1
+        assert 200 <= status < 300 or 400 <= status < 500, (status, payload, body[:300])
+        if status >= 400:
+            error = payload["error"]
+            assert error["type"] and error["message"] and "field" in error, payload
+        else:
+            assert len(payload["results"]) >= 1
+
+    start = time.perf_counter()
+    case()
+    after = graph.stats.remote().result()
+    print(f"{sum(statuses.values())} bodies in {time.perf_counter() - start:.1f} s: "
+          f"{dict(statuses)}; ingress RSS {before['rss_bytes'] / 2**20:.0f} -> "
+          f"{after['rss_bytes'] / 2**20:.0f} MiB")
+    assert replica_pids(APP) == pids                        # same replicas, same processes
+    assert after["rss_bytes"] - before["rss_bytes"] < 64 * 2**20
+    assert post(port, VALID_BODY)[0] == 200
+
+
+def test_replica_over_its_memory_bound_is_the_only_one_replaced(graph, ray_cluster, adapter):
+    """A replica under the stages' memory guard allocates past its declared bound: it alone is
+    ended and replaced; the Serve controller, the policy store with its stored versions and
+    every graph replica keep their processes, and the graph still serves."""
+    import ray
+    from ray import serve
+
+    from deployments.client import RolloutClient
+    from deployments.config import StageOptions
+    from deployments.policy_store import get_policy_store
+    from tests.lora_utils import random_lora
+    from tests.serve_utils import MemoryHog
+    store = get_policy_store("graph_test_store")
+    tensors, scale = random_lora(adapter, rank=4, seed=5)
+    ray.get(store.publish.remote("v_oom", 2, scale, [ray.put(PackedTensors.pack(tensors))]))
+    versions = ray.get(store.versions.remote())
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    system = ray.get([pid_of(controller), pid_of(store)])
+    graph_pids = replica_pids(APP)
+    options = StageOptions(memory_mib=256).deployment_options("MemoryHog")
+    hog = serve.run(serve.deployment(MemoryHog, **options).bind(), name="oom_hog",
+                    route_prefix=None)
+    try:
+        pid, limit = hog.info.remote().result()
+        assert limit == 256 * 2**20                          # the declared bound, from Ray
+        with pytest.raises(Exception) as died:               # 512 MiB asked, 256 allowed
+            hog.grow.remote(512).result(timeout_s=120)
+        assert "died" in str(died.value).lower() or "unavailable" in str(died.value).lower()
+        deadline, new_pid = time.time() + 120, pid
+        while time.time() < deadline:                        # Serve starts a new replica
+            try:
+                new_pid, _ = hog.info.remote().result(timeout_s=10)
+                if new_pid != pid:
+                    break
+            except Exception:  # noqa: BLE001 -- the replacement is still starting
+                pass
+            time.sleep(0.5)
+        assert new_pid != pid
+    finally:
+        serve.delete("oom_hog")
+    assert ray.get([pid_of(controller), pid_of(store)]) == system
+    assert ray.get(store.versions.remote()) == versions and "v_oom" in versions
+    assert replica_pids(APP) == graph_pids
+    [out] = RolloutClient(graph).rollout([make_request(adapter, CAPTION, policy_version="v_oom")])
+    assert out.policy_version == "v_oom"
 
 
 def test_stage_metrics_are_exported(graph, ray_cluster):

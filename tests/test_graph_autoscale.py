@@ -67,9 +67,9 @@ def test_config_maps_to_serve_autoscaling_options():
 
 
 def test_rollout_stage_scales_up_under_load_and_back_down(autoscale_graph):
-    from adapters.registry import get_adapter
-    adapter = get_adapter("tiny_t2i")
-    bundle = adapter.tokenize(["a red circle at the top left on a black background"])[0]
+    from adapters.registry import get_family
+    adapter = get_family("tiny_t2i")
+    bundle = adapter.conditioner.tokenize(["a red circle at the top left on a black background"])[0]
     assert wait_for(lambda: rollout_replicas() == 1, 60) is not None
     assert rollout_replicas() == 1
 

@@ -51,14 +51,14 @@ def faults_graph(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapter():
-    from adapters.registry import get_adapter
-    return get_adapter("tiny_t2i")
+    from adapters.registry import get_family
+    return get_family("tiny_t2i")
 
 
 def request(adapter, text: str, request_id: str | None = None, steps: int = 4,
             seeds=(0, 1)) -> RolloutRequest:
     extra = {"request_id": request_id} if request_id else {}
-    return RolloutRequest(prompt=adapter.tokenize([text])[0], task=Task.T2I,
+    return RolloutRequest(prompt=adapter.conditioner.tokenize([text])[0], task=Task.T2I,
                           sampling=SamplingSpec(num_steps=steps, seeds=seeds), **extra)
 
 

@@ -48,9 +48,9 @@ def t2va_graph(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model():
-    from adapters.registry import get_adapter
-    adapter = get_adapter("tiny_t2va")
-    return adapter, adapter.load()
+    from adapters.registry import get_family
+    family = get_family("tiny_t2va")
+    return family, family.load_decoder("video_latent")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def t2va_request(adapter, text: str, task: Task, media=None) -> RolloutRequest:
-    return RolloutRequest(prompt=adapter.tokenize([text])[0], task=task, media=media,
+    return RolloutRequest(prompt=adapter.conditioner.tokenize([text])[0], task=task, media=media,
                           requested_artifacts=ARTIFACTS,
                           sampling=SamplingSpec(num_steps=6, seeds=(3, 4), num_frames=8))
 
@@ -113,7 +113,7 @@ def test_t2va_and_fl2va_through_the_graph_with_three_scorers(t2va_graph, model, 
         check_rewards(out)
 
     # FL2VA: the first/last latent frames are the VAE latents of the condition frames (frozen)
-    cond = vae_encode(components.decoders["video_latent"], torch.stack([first, last]))
+    cond = vae_encode(components["video_vae"], torch.stack([first, last]))
     latent = fl2va.artifacts["video_latent"].data                      # (B, C, T, h, w)
     for b in range(2):
         torch.testing.assert_close(latent[b, :, 0], cond[0], atol=1e-4, rtol=1e-4)

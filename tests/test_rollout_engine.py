@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from adapters.tiny_t2i import TinyT2IAdapter
+from adapters.tiny_t2i import TinyT2IFamily
 from contract import (PolicyVersionError, PromptBundle, QueueFullError, RequestCancelledError,
                       RolloutRequest, SamplerKind, SamplingSpec, Task)
 from diffusion.samplers import sampler_step
@@ -25,17 +25,18 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def t2i():
-    adapter = TinyT2IAdapter()
-    components = adapter.build(seed=0)
-    prompts = adapter.tokenize(["a red circle at the top", "a blue square"])
-    conds = [adapter.encode(components.text_encoder, [p]) for p in prompts]
-    null = adapter.encode(components.text_encoder, [adapter.null_prompt()])
-    return adapter, components, prompts, conds, null
+    family = TinyT2IFamily()
+    models = {"transformer": family.build(seed=0)["transformer"]}   # seeded random DiT
+    encoders = family.load_encoders()
+    prompts = family.conditioner.tokenize(["a red circle at the top", "a blue square"])
+    conds = [family.conditioner.encode(encoders, [p]) for p in prompts]
+    null = family.conditioner.encode(encoders, [family.conditioner.null_prompt()])
+    return family, models, prompts, conds, null
 
 
 def _engine(t2i, **limits) -> EmbeddedEngine:
     adapter, components, *_ = t2i
-    return EmbeddedEngine(adapter, components, EngineLimits(**limits))
+    return EmbeddedEngine(adapter, components, {}, EngineLimits(**limits))
 
 
 def _req(t2i, seeds, steps=6, window=None, guidance=1.0, version="base", prompt=0,
@@ -91,7 +92,7 @@ def test_mixed_queue_sizes_steps_windows_versions_guidance(t2i):
     engine = _engine(t2i, max_batch_rows=8)
     torch.manual_seed(0)
     tensors = {}
-    for name, module in components.transformer.named_modules():
+    for name, module in components["transformer"].named_modules():
         if name.endswith("attn.to_q") or name.endswith("ff.net.0.proj"):
             tensors[f"{name}.lora_A.weight"] = torch.randn(4, module.in_features) * 0.3
             tensors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 4) * 0.3
@@ -139,17 +140,16 @@ def test_logprob_recompute_from_stored_trajectory(t2i):
     finally:
         _shutdown(engine)
     traj = res.trajectory
-    cond = conds[0].index_select(torch.zeros(3, dtype=torch.long))
-    uncond = null.index_select(torch.zeros(3, dtype=torch.long))
+    cond, uncond = conds[0].expand_rows(3), null.expand_rows(3)
     start, end = traj.window
     with torch.no_grad():
         for k, j in enumerate(range(start, end)):
             x, x_next = traj.latents[:, k], traj.latents[:, k + 1]
             sigma = traj.sigmas[j].expand(3)
             t = traj.model_timesteps[j].expand(3)
-            # training form transformer, separate cond / uncond forwards
-            v_c = adapter.model_forward(components.transformer, x, t, cond)
-            v_u = adapter.model_forward(components.transformer, x, t, uncond)
+            # the family's forward, separate cond / uncond calls, CFG written out here
+            v_c = adapter.denoiser.forward(components, x, sigma, t, cond, None, None)
+            v_u = adapter.denoiser.forward(components, x, sigma, t, uncond, None, None)
             v = v_u + traj.guidance_scale * (v_c - v_u)
             out = sampler_step(traj.sampler, x, v, sigma, traj.sigmas[j + 1].expand(3),
                                traj.noise_level, None, prev_sample=x_next)

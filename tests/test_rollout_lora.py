@@ -8,7 +8,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-from adapters.base import LoRATarget, LoRATargetMap
+from adapters.lora_targets import LoRATarget, LoRATargetMap
 from adapters.inference_form import to_inference_form
 from contract import LoRAMapError, PolicyVersionError
 from rollout.lora import BASE_VERSION, LoRASlots

@@ -6,10 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from adapters.tiny_t2i import TinyT2IAdapter
+from adapters.tiny_t2i import TinyT2IFamily
 from contract import (InvalidRequestError, LimitExceededError, MediaInput, MediaRole, Modality,
-                      PolicyVersionError, PromptBundle, RolloutRequest, SamplingSpec, StopReason,
-                      Task, UndeclaredArtifactError)
+                      PolicyVersionError, PromptBundle, RequestLimits, RolloutRequest,
+                      SamplingSpec, StopReason, Task, UndeclaredArtifactError)
 from rollout.ar import ARStrategy
 from rollout.config import ARModelConfig, RolloutConfig, StrategyKind
 from rollout.strategy import STRATEGY_BUILDERS, DiffusionStrategy, build_strategy
@@ -25,24 +25,36 @@ def test_every_strategy_kind_has_exactly_one_builder():
 
 @pytest.fixture(scope="module")
 def diffusion(tmp_path_factory):
-    adapter = TinyT2IAdapter()
+    family = TinyT2IFamily()
     weights = tmp_path_factory.mktemp("tiny_t2i")
-    adapter.save(adapter.build(seed=0), weights)
+    family.save(family.build(seed=0), weights)
     strategy = build_strategy(RolloutConfig(strategy=StrategyKind.DIFFUSION,
-                                            weights_path=str(weights)))
+                                            weights_path=str(weights)), RequestLimits())
+    strategy.encoders = strategy.family.load_encoders()     # the encoder stage's job
     yield strategy
     asyncio.run(strategy.engine.shutdown())
 
 
+def _generate(strategy, request):
+    """The encoder stage's conditions, then the strategy (as the graph chains them)."""
+    family = strategy.family
+    cond = family.conditioner.encode(strategy.encoders, [request.prompt])
+    negative = None
+    if request.sampling.guidance_scale != 1.0:
+        negative = family.conditioner.encode(strategy.encoders,
+                                             [family.conditioner.unconditional(request.prompt)])
+    return asyncio.run(strategy.generate(request, cond, negative))
+
+
 def _request(strategy, **kw) -> RolloutRequest:
-    prompt = strategy.adapter.tokenize(["a green triangle"])[0]
+    prompt = strategy.family.conditioner.tokenize(["a green triangle"])[0]
     sampling = kw.pop("sampling", SamplingSpec(num_steps=4, seeds=(1, 2)))
     return RolloutRequest(prompt=prompt, sampling=sampling, task=kw.pop("task", Task.T2I), **kw)
 
 
 def test_diffusion_strategy_returns_latents_and_decode_plan(diffusion):
     assert isinstance(diffusion, DiffusionStrategy)
-    out = asyncio.run(diffusion.generate(_request(diffusion, requested_artifacts=("image",))))
+    out = _generate(diffusion, _request(diffusion, requested_artifacts=("image",)))
     # only latents come back; the decoded name is recorded with its source for the decoder stage
     assert set(out.artifacts) == {"image_latent"}
     assert out.metadata["decode"] == {"image": "image_latent"}
@@ -53,7 +65,7 @@ def test_diffusion_strategy_returns_latents_and_decode_plan(diffusion):
 
 def test_diffusion_strategy_cfg_uses_null_prompt(diffusion):
     sampling = SamplingSpec(num_steps=3, seeds=(4,), guidance_scale=3.0)
-    out = asyncio.run(diffusion.generate(_request(diffusion, sampling=sampling)))
+    out = _generate(diffusion, _request(diffusion, sampling=sampling))
     assert out.trajectory.guidance_scale == 3.0
     assert set(out.metadata["requested_artifacts"]) == {"image_latent", "image"}
 
@@ -72,14 +84,15 @@ def test_diffusion_strategy_cfg_uses_null_prompt(diffusion):
 ])
 def test_diffusion_strategy_rejects_bad_requests(diffusion, kw, error, field):
     with pytest.raises(error) as err:
-        asyncio.run(diffusion.generate(_request(diffusion, **kw)))
+        _generate(diffusion, _request(diffusion, **kw))
     assert err.value.field == field
 
 
 @pytest.fixture(scope="module")
 def ar():
     strategy = build_strategy(RolloutConfig(strategy=StrategyKind.AR,
-                                            ar=ARModelConfig(max_new_tokens=12)))
+                                            ar=ARModelConfig(max_new_tokens=12)),
+                              RequestLimits())
     assert isinstance(strategy, ARStrategy)
     return strategy
 

@@ -1,15 +1,16 @@
-"""The embedded tiny_t2i adapter: shipped weights, token ids, inference form, pretraining."""
+"""The embedded tiny_t2i family: shipped weights, token ids, inference form, pretraining."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from adapters.inference_form import ShardedLinear, modules_with_suffix
-from adapters.registry import ADAPTERS, get_adapter
-from adapters.sample import sample_images, sample_latents
-from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IAdapter
+from adapters.registry import get_family
+from adapters.sample import LocalModels, generate
+from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IFamily
 from contract import (ArtifactSpec, ConfigError, InvalidRequestError, Layout, LimitExceededError,
                       MediaArtifact, Modality, Representation, SamplingSpec, collect_artifacts)
+from diffusion.step import Guidance, predict_velocity
 from rewards.base import ScoreRequest
 from rewards.verifiers.image import ImageAttributeScorer
 from synthetic.shapes import Split, caption, sample_specs
@@ -24,14 +25,14 @@ MARGIN = {"color": 0.3, "position": 0.3, "background": 0.3}
 
 @pytest.fixture(scope="module")
 def loaded():
-    adapter = get_adapter("tiny_t2i")
-    return adapter, adapter.load()          # shipped weights, offline
+    family = get_family("tiny_t2i")
+    return family, LocalModels.load(family)          # shipped weights, offline
 
 
 def test_registry():
-    assert ADAPTERS["tiny_t2i"] is TinyT2IAdapter
+    assert isinstance(get_family("tiny_t2i"), TinyT2IFamily)
     with pytest.raises(ConfigError) as err:
-        get_adapter("no_such_model")
+        get_family("no_such_model")
     assert err.value.field == "adapter" and "tiny_t2i" in err.value.expected
 
 
@@ -39,18 +40,19 @@ def test_shipped_weights_produce_valid_artifacts(loaded):
     adapter, components = loaded
     assert (SHIPPED_WEIGHTS / "MODEL_CARD.md").is_file()
     prompts = [caption(s) for s in sample_specs(3, 0)]
-    latents = sample_latents(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
-    sampling = SamplingSpec(seeds=(0, 1, 2))
-    named = adapter.split_state(latents, sampling)
-    images = adapter.decode(components.decoders, "image_latent", named["image_latent"])
+    sampled = generate(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
+    named = {"image_latent": sampled["image_latent"]}
+    images = adapter.codec.decode("image_latent", components.decoders["image_latent"],
+                                  named["image_latent"], SamplingSpec(seeds=(0, 1, 2)))
+    assert torch.equal(images, sampled["image"])
     assert images.dtype == torch.uint8 and images.shape == (3, 3, 32, 32)
     produced = [MediaArtifact(adapter.io_spec["image_latent"], named["image_latent"]),
                 MediaArtifact(adapter.io_spec["image"], images)]
     out = collect_artifacts(adapter.io_spec, adapter.io_spec.defaults, produced)
     assert set(out) == {"image_latent", "image"}
     # seeded: the same seeds give the same latents
-    again = sample_latents(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
-    assert torch.equal(latents, again)
+    again = generate(adapter, components, prompts, seeds=[0, 1, 2], num_steps=4)
+    assert torch.equal(sampled["image_latent"], again["image_latent"])
 
 
 def test_shipped_weights_follow_held_out_prompts(loaded):
@@ -60,7 +62,7 @@ def test_shipped_weights_follow_held_out_prompts(loaded):
     adapter, components = loaded
     specs = sample_specs(24, 7, Split.EVAL)
     prompts = [caption(s) for s in specs]
-    images = sample_images(adapter, components, prompts, list(range(24)), num_steps=12)
+    images = generate(adapter, components, prompts, list(range(24)), num_steps=12)["image"]
     shuffled = prompts[5:] + prompts[:5]
     assert sum(p != q for p, q in zip(prompts, shuffled)) >= 20
     spec = ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
@@ -80,58 +82,66 @@ def test_shipped_weights_follow_held_out_prompts(loaded):
 def test_encoder_sees_the_dataset_ids_unchanged(loaded):
     adapter, components = loaded
     texts = [caption(s) for s in sample_specs(4, 3)] + [""]
-    dataset_ids = [adapter.tokenizer(t)["input_ids"] for t in texts]   # what a dataset stores
-    bundles = adapter.tokenize(texts)
+    conditioner = adapter.conditioner
+    dataset_ids = [conditioner.tokenizer(t)["input_ids"] for t in texts]   # what a dataset stores
+    bundles = conditioner.tokenize(texts)
     assert [list(b.token_ids) for b in bundles] == dataset_ids
     seen = {}
-    hook = components.text_encoder.register_forward_pre_hook(
+    encoder = components.encoders["minilm"]
+    hook = encoder.register_forward_pre_hook(
         lambda module, args, kwargs: seen.update(ids=kwargs["input_ids"].clone()),
         with_kwargs=True)
     try:
-        cond = adapter.encode(components.text_encoder, bundles)
+        cond = conditioner.encode(components.encoders, bundles)
     finally:
         hook.remove()
     for row, ids in enumerate(dataset_ids):
         assert seen["ids"][row, :len(ids)].tolist() == ids
-        assert (seen["ids"][row, len(ids):] == adapter.tokenizer.pad_token_id).all()
-        assert cond.mask[row].sum() == len(ids)
+        assert (seen["ids"][row, len(ids):] == conditioner.tokenizer.pad_token_id).all()
+        assert cond["mask"][row].sum() == len(ids)
+    assert cond.token_ids[0] == {"minilm": tuple(dataset_ids[0])}
     # a row's condition does not depend on the rest of its batch (fixed padding)
-    alone = adapter.encode(components.text_encoder, bundles[:1])
-    torch.testing.assert_close(alone.hidden[0], cond.hidden[0], rtol=0, atol=1e-5)
-    with pytest.raises(LimitExceededError):
-        adapter.tokenize(["a red circle " * 20])
+    alone = conditioner.encode(components.encoders, bundles[:1])
+    torch.testing.assert_close(alone["hidden"][0], cond["hidden"][0], rtol=0, atol=1e-5)
+    with pytest.raises(LimitExceededError) as err:
+        conditioner.tokenize(["a red circle " * 20])
+    assert err.value.field == "prompts[0]"
 
 
 def test_inference_form_gives_the_same_velocity(loaded):
     adapter, components = loaded
-    fused = adapter.to_inference_form(components.transformer)
+    transformer = components.transformers["transformer"]
+    fused = adapter.to_inference_form(transformer)
     assert not list(modules_with_suffix(fused, "attn.to_q"))
     assert list(modules_with_suffix(fused, "attn.to_qkv"))
-    fc1_name, fc1 = next(modules_with_suffix(components.transformer, "ff.net.0.proj"))
+    fc1_name, fc1 = next(modules_with_suffix(transformer, "ff.net.0.proj"))
     sharded = fused.get_submodule(fc1_name)
     assert isinstance(sharded, ShardedLinear) and sharded.shard_order == (1, 0)
     half = fc1.out_features // 2
     assert torch.equal(sharded.shards[0].weight, fc1.weight[half:])      # the reorder is real
     gen = torch.Generator().manual_seed(0)
     state = torch.randn(3, 4, 8, 8, generator=gen)
-    cond = adapter.encode(components.text_encoder,
-                          adapter.tokenize([caption(s) for s in sample_specs(3, 4)]))
-    model_time = torch.tensor([999.0, 500.0, 20.0])
+    cond = adapter.conditioner.encode(components.encoders, adapter.conditioner.tokenize(
+        [caption(s) for s in sample_specs(3, 4)]))
+    sigma = torch.tensor([0.999, 0.5, 0.02])
     with torch.no_grad():
-        v_train = adapter.model_forward(components.transformer, state, model_time, cond)
-        v_infer = adapter.model_forward(fused, state, model_time, cond)
+        v_train = predict_velocity(adapter.denoiser, {"transformer": transformer}, state, sigma,
+                                   cond, Guidance.none(3))
+        v_infer = predict_velocity(adapter.denoiser, {"transformer": fused}, state, sigma, cond,
+                                   Guidance.none(3))
     assert (v_train - v_infer).abs().max() <= 1e-5
     assert v_train.abs().mean() > 0.1
 
 
 def test_sampling_spec_is_checked(loaded):
     adapter, _ = loaded
-    assert adapter.state_shape(SamplingSpec(seeds=(0,))) == (4, 8, 8)
+    assert adapter.codec.state_shape(SamplingSpec(seeds=(0,))) == (4, 8, 8)
     with pytest.raises(InvalidRequestError) as err:
-        adapter.state_shape(SamplingSpec(seeds=(0,), height=64))
+        adapter.codec.state_shape(SamplingSpec(seeds=(0,), height=64))
     assert err.value.field == "sampling.height"
-    with pytest.raises(ConfigError):
-        adapter.load("/nonexistent/tiny_t2i")
+    with pytest.raises(ConfigError) as err:
+        get_family("tiny_t2i", "/nonexistent/tiny_t2i")
+    assert err.value.field == "weights_path"
 
 
 def test_pretrain_script_reduces_the_loss(tmp_path):
@@ -143,8 +153,7 @@ def test_pretrain_script_reduces_the_loss(tmp_path):
     dit_before, dit_after = report["dit_probe"]
     assert vae_after < vae_before and dit_after < dit_before
     assert (tmp_path / "loss_curves.png").is_file()
-    reloaded = TinyT2IAdapter().load(str(tmp_path))                   # same layout loads
-    vae = reloaded.decoders["image_latent"]
+    vae = TinyT2IFamily(tmp_path).load("vae")                       # same layout loads
     assert vae.config.scaling_factor == pytest.approx(report["latent_scale"])
 
 
@@ -159,15 +168,16 @@ def test_decoder_finetune_keeps_the_latent_space(tmp_path):
                   "--decoder-batch-size", "8", "--eval-samples", "0"])
     assert len(report["losses"]["decoder L1 + edge"]) == 6
     assert report["base"]["args"]["vae_steps"] == 6
-    a, b = TinyT2IAdapter().load(str(base)), TinyT2IAdapter().load(str(out))
-    vae_a, vae_b = a.decoders["image_latent"], b.decoders["image_latent"]
+    a, b = TinyT2IFamily(base), TinyT2IFamily(out)
+    vae_a, vae_b = a.load("vae"), b.load("vae")
     for name in ("encoder", "quant_conv"):
         for (key, pa), pb in zip(getattr(vae_a, name).state_dict().items(),
                                  getattr(vae_b, name).state_dict().values()):
             assert torch.equal(pa, pb), key
     assert vae_a.config.scaling_factor == vae_b.config.scaling_factor
     assert vae_a.config.shift_factor == vae_b.config.shift_factor
-    for pa, pb in zip(a.transformer.state_dict().values(), b.transformer.state_dict().values()):
+    for pa, pb in zip(a.load("transformer").state_dict().values(),
+                      b.load("transformer").state_dict().values()):
         assert torch.equal(pa, pb)
     assert any(not torch.equal(pa, pb) for pa, pb in zip(vae_a.decoder.state_dict().values(),
                                                          vae_b.decoder.state_dict().values()))

@@ -113,15 +113,17 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
     trainer.publish_sampling()
     pending = trainer.submit(0)
     outputs, _ = trainer.collect(pending)
-    assert checks.check_token_ids(pending.prompts, outputs) == 2
+    names = trainer.family.spec.encoder_names
+    assert checks.check_token_ids(pending.prompts, outputs, names) == 2
     altered = [p.model_copy(update={"token_ids": p.token_ids[:-1] + (1999,)})
                for p in pending.prompts]
     with pytest.raises(StartupCheckError) as e:
-        checks.check_token_ids(altered, outputs)
-    assert e.value.field == "encoded_token_ids"
+        checks.check_token_ids(altered, outputs, names)
+    assert e.value.field == "encoded_token_ids.minilm"
 
     if SHIPPED_WEIGHTS.is_dir():   # the flip removed: declare the other convention
-        monkeypatch.setattr(trainer.adapter, "time_convention", TimeConvention.DATA_PROGRESS)
+        monkeypatch.setattr(trainer.family.denoiser, "time_convention",
+                            TimeConvention.DATA_PROGRESS)
         with pytest.raises(StartupCheckError) as e:
             trainer.startup_checks()
         assert e.value.field == "adapter.time_convention"
@@ -143,7 +145,7 @@ def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
     from trainer.prompts import make_requests
     trainer = Trainer(trainer_config(tmp_path, Algorithm.NFT, "serial",
                                      checks={"time_convention": False, "lora_map": False}))
-    requests = make_requests(trainer.adapter, trainer.eval_prompts[:2], trainer.cfg.sampler,
+    requests = make_requests(trainer.family, trainer.eval_prompts[:2], trainer.cfg.sampler,
                              group=8, seed=77, version=None, num_steps=20)
     pending = Pending(0, [], requests, trainer.client.submit(requests), time.perf_counter())
     time.sleep(1.0)                                  # the batch is queued / running

@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 
-from adapters.base import Components
-from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IAdapter
+from adapters.tiny_t2i import SHIPPED_WEIGHTS, TinyT2IFamily
 from contract import (Algorithm, ConfigError, RewardReport, RolloutOutput, SamplerKind,
                       StartupCheckError, TimeConvention)
 from rollout.engine import EmbeddedEngine
@@ -25,13 +24,12 @@ from trainer.updates import UPDATES, build_batch
 @pytest.fixture(scope="module")
 def setup():
     torch.set_num_threads(1)
-    adapter = TinyT2IAdapter()
-    comp = adapter.load() if SHIPPED_WEIGHTS.is_dir() else adapter.build()
-    engine = EmbeddedEngine(adapter, Components(comp.text_encoder,
-                                                copy.deepcopy(comp.transformer), comp.decoders))
+    adapter = TinyT2IFamily()
+    transformers = adapter.load_transformers()
+    engine = EmbeddedEngine(adapter, copy.deepcopy(transformers), {})
     cfg = TrainerConfig(samples_per_prompt=4, prompts_per_step=2,
                         sampler=SamplerSettings(num_steps=4, window=(0, 2)))
-    learner = Learner(adapter, comp, cfg.lora, cfg.optimizer)
+    learner = Learner(adapter, transformers, adapter.load_encoders(), cfg.lora, cfg.optimizer)
     with torch.no_grad():   # a nonzero trained adapter, so versions differ from the base model
         for p in learner.params:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
@@ -57,7 +55,7 @@ def test_updates_and_logprob_parity(setup):
     adapter, engine, cfg, learner = setup
     tensors, scale = learner.export()
     engine.load_lora("t-v0", tensors, scale)
-    prompts = adapter.tokenize(captions(PromptSource.SHAPES, 2, 0))
+    prompts = adapter.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 0))
     requests = make_requests(adapter, prompts, cfg.sampler, 4, 0, "t-v0")
     results = _rollout(adapter, engine, learner, "t-v0", requests, prompts)
     # rewards: distance of the sample's mean to a target, a real function of the samples
@@ -84,7 +82,7 @@ def test_updates_and_logprob_parity(setup):
 
 def test_lora_map_check_passes_and_fails_when_broken(setup):
     adapter, engine, cfg, learner = setup
-    prompts = adapter.tokenize(captions(PromptSource.SHAPES, 2, 5, held_out=True))
+    prompts = adapter.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 5, held_out=True))
     probe, scale = checks.probe_lora(learner, seed=3)
     swapped = dict(probe)   # a broken map: q's LoRA lands on k and vice versa
     for key in [k for k in probe if ".attn.to_q." in k]:
@@ -111,10 +109,10 @@ def test_lora_map_check_passes_and_fails_when_broken(setup):
 @pytest.mark.skipif(not SHIPPED_WEIGHTS.is_dir(), reason="needs the pretrained tiny_t2i weights")
 def test_time_convention_check_fails_when_flip_removed(setup, monkeypatch):
     adapter, _, _, learner = setup
-    x0, prompts = probe_clean_latents(PromptSource.SHAPES, adapter, learner.components)
+    x0, prompts = probe_clean_latents(PromptSource.SHAPES, adapter)
     report = checks.check_time_convention(learner, x0, prompts)
     assert min(v for k, v in report.items() if k.startswith("cos_declared")) > 0.3
-    monkeypatch.setattr(adapter, "time_convention", TimeConvention.DATA_PROGRESS)
+    monkeypatch.setattr(adapter.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
     with pytest.raises(StartupCheckError) as e:
         checks.check_time_convention(learner, x0, prompts)
     assert e.value.field == "adapter.time_convention"
@@ -136,15 +134,16 @@ def test_stale_rows_and_config_rules():
 
 
 def test_token_id_check():
-    adapter = TinyT2IAdapter()
-    held = adapter.tokenize(["a red circle at the top left on a black background"])
-    out = lambda ids: RolloutOutput("r0", {}, None, "v0", (0,),
-                                    metadata={} if ids is None else {"encoded_token_ids": ids})
-    assert checks.check_token_ids(held, [out(held[0].token_ids)]) == 1
+    adapter = TinyT2IFamily()
+    held = adapter.conditioner.tokenize(["a red circle at the top left on a black background"])
+    names = adapter.spec.encoder_names
+    out = lambda ids: RolloutOutput("r0", {}, None, "v0", (0,), metadata={} if ids is None
+                                    else {"encoded_token_ids": {"minilm": ids}})
+    assert checks.check_token_ids(held, [out(held[0].token_ids)], names) == 1
     altered = held[0].token_ids[:-2] + (999,) + held[0].token_ids[-1:]
     with pytest.raises(StartupCheckError) as e:
-        checks.check_token_ids(held, [out(altered)])
-    assert e.value.field == "encoded_token_ids" and e.value.actual == list(altered)
+        checks.check_token_ids(held, [out(altered)], names)
+    assert e.value.field == "encoded_token_ids.minilm" and e.value.actual == list(altered)
     with pytest.raises(StartupCheckError, match="did not report"):
         checks.check_token_ids(held, [out(None)])
 
@@ -172,7 +171,7 @@ def _fast_batch(adapter, engine, learner, settings, tied_first=False):
                 != request_window(settings, s, 1))
     tensors, scale = learner.export()
     engine.load_lora("t-fast", tensors, scale)
-    prompts = adapter.tokenize(captions(PromptSource.SHAPES, 2, 3))
+    prompts = adapter.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 3))
     requests = make_requests(adapter, prompts, settings, 4, seed, "t-fast")
     results = _rollout(adapter, engine, learner, "t-fast", requests, prompts)
     rewards = [(-(e.latents["image_latent"].data.mean(dim=(1, 2, 3)) - 0.1).abs()).tolist()

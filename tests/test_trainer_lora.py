@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel
 
-from adapters.base import LoRATarget, LoRATargetMap
+from adapters.lora_targets import LoRATarget, LoRATargetMap
 from adapters.inference_form import to_inference_form
 from contract import LoRAMapError
 from rollout.lora import LoRASlots

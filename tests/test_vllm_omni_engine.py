@@ -23,13 +23,13 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from adapters.tiny_t2i import TinyT2IAdapter
+    from adapters.tiny_t2i import TinyT2IFamily
 
-    adapter = TinyT2IAdapter()
-    components = adapter.build(seed=0)
     path = tmp_path_factory.mktemp("tiny_t2i")
-    adapter.save(components, path)
-    return adapter, components, str(path)
+    TinyT2IFamily().save(TinyT2IFamily().build(seed=0), path)
+    family = TinyT2IFamily(path)
+    components = {"transformer": family.load("transformer"), "encoders": family.load_encoders()}
+    return family, components, str(path)
 
 
 @pytest.fixture()
@@ -44,13 +44,15 @@ def engine(built, tmp_path):
 def make_request(built, seeds=(1, 2), steps=3, version="base", rid=None,
                  guidance=1.0) -> EngineRequest:
     adapter, components, _ = built
-    bundle = adapter.tokenize(["a red circle at the top left on a black background"])[0]
+    bundle = adapter.conditioner.tokenize(
+        ["a red circle at the top left on a black background"])[0]
     sampling = SamplingSpec(num_steps=steps, seeds=seeds, height=32, width=32,
                             guidance_scale=guidance)
     kw = {"request_id": rid} if rid else {}
     request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.T2I, **kw)
-    cond = adapter.encode(components.text_encoder, [bundle])
-    negative = (adapter.encode(components.text_encoder, [adapter.null_prompt()])
+    encoders, conditioner = components["encoders"], adapter.conditioner
+    cond = conditioner.encode(encoders, [bundle])
+    negative = (conditioner.encode(encoders, [conditioner.null_prompt()])
                 if guidance != 1.0 else None)
     return EngineRequest(request=request, cond=cond, negative=negative,
                          latent_artifacts=("image_latent",), media={}, policy_version=version)
@@ -58,7 +60,7 @@ def make_request(built, seeds=(1, 2), steps=3, version="base", rid=None,
 
 def lora_tensors(built, rank=2, seed=0, module="transformer_blocks.0.attn.to_q"):
     _, components, _ = built
-    linear = components.transformer.get_submodule(module)
+    linear = components["transformer"].get_submodule(module)
     g = torch.Generator().manual_seed(seed)
     return {f"{module}.lora_A.weight": torch.randn(rank, linear.in_features, generator=g),
             f"{module}.lora_B.weight": torch.randn(linear.out_features, rank, generator=g)}

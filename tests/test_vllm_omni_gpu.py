@@ -15,12 +15,12 @@ def engine(tmp_path_factory):
     pytest.importorskip("vllm_omni")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from adapters.tiny_t2i import TinyT2IAdapter
+    from adapters.tiny_t2i import TinyT2IFamily
     from rollout.vllm_omni.engine import VllmOmniEngine
 
-    adapter = TinyT2IAdapter()
+    family = TinyT2IFamily()
     path = tmp_path_factory.mktemp("tiny_t2i_model")
-    adapter.save(adapter.build(seed=0), path)
+    family.save(family.build(seed=0), path)
     # vLLM-Omni resolves a model directory through model_index.json (_class_name).
     (path / "model_index.json").write_text(json.dumps({"_class_name": "RolloutPipeline"}))
     eng = VllmOmniEngine.create("tiny_t2i", str(path), dtype=torch.float32,
@@ -31,10 +31,10 @@ def engine(tmp_path_factory):
 
 def _req(seeds=(1, 2), version="base"):
     from tests.test_vllm_omni_engine import make_request
-    from adapters.tiny_t2i import TinyT2IAdapter
-    adapter = TinyT2IAdapter()
-    components = adapter.build(seed=0)
-    return make_request((adapter, components, None), seeds=seeds, version=version)
+    from adapters.tiny_t2i import TinyT2IFamily
+    family = TinyT2IFamily()
+    components = {"encoders": family.load_encoders()}
+    return make_request((family, components, None), seeds=seeds, version=version)
 
 
 def test_generate_lora_switch_sleep_wake(engine):

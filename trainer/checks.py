@@ -13,17 +13,17 @@ Each failure raises StartupCheckError naming what differed.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Mapping, Sequence
+import dataclasses
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from contract import PromptBundle, RolloutOutput, SamplerKind, StartupCheckError, TimeConvention
-from diffusion.conventions import model_time, to_sigma_velocity
 from diffusion.noise import initial_noise
-from diffusion.samplers import ode_step
-from diffusion.schedule import flow_match_sigmas
+from diffusion.step import Guidance, denoise_step
 from trainer.algorithms import recompute_step
-from trainer.learner import Learner, repeat_rows
+from trainer.learner import Learner
 from trainer.lora import PolicyRole, lora_layers, use_policy
 
 PROBE_SIGMAS = (0.5, 0.75)
@@ -34,27 +34,43 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Convention:
+    """The family's denoiser read in another time convention (what a wrong declaration does)."""
+
+    denoiser: object
+    time_convention: TimeConvention
+
+    @property
+    def model_time_scale(self) -> float:
+        return self.denoiser.model_time_scale
+
+    def forward(self, *args, **kwargs):
+        return self.denoiser.forward(*args, **kwargs)
+
+
 @torch.no_grad()
 def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[PromptBundle],
                           min_cos: float = 0.3, seed: int = 0) -> dict[str, float]:
     """x0: (B, *S) clean latents of real media with their prompts. Returns cosines per sigma."""
-    adapter = learner.adapter
-    declared = TimeConvention(adapter.time_convention)
+    denoiser = learner.family.denoiser
+    declared = TimeConvention(denoiser.time_convention)
     other = next(c for c in TimeConvention if c != declared)
     cond = learner.encode(prompts)
     gen = torch.Generator().manual_seed(seed)
     eps = torch.randn(x0.shape, generator=gen)
+    rows = x0.shape[0]
     report: dict[str, float] = {}
     for s in PROBE_SIGMAS:
-        sigma, sigma_next = torch.full((x0.shape[0],), s), torch.full((x0.shape[0],), s - 0.25)
+        sigma = torch.full((rows,), s)
         x = (1 - s) * x0 + s * eps                                     # forward process
         x_next_true = (1 - (s - 0.25)) * x0 + (s - 0.25) * eps         # sigma convention
         steps = {}
         for conv in (declared, other):
-            with use_policy(learner.transformer, PolicyRole.REFERENCE):
-                raw = adapter.model_forward(learner.transformer, x,
-                                            model_time(sigma, conv, adapter.model_time_scale), cond)
-            steps[conv] = ode_step(x, to_sigma_velocity(raw, conv), sigma, sigma_next).prev_sample
+            with learner.policy(PolicyRole.REFERENCE):
+                out = denoise_step(_Convention(denoiser, conv), learner.models, x, sigma,
+                                   sigma - 0.25, cond, Guidance.none(rows), SamplerKind.ODE, 0.0)
+            steps[conv] = out.prev_sample
         cos_d = _cos(steps[declared] - x, x_next_true - x)
         cos_o = _cos(steps[other] - x, x_next_true - x)
         report[f"cos_declared@{s}"], report[f"cos_other@{s}"] = cos_d, cos_o
@@ -82,33 +98,48 @@ def probe_lora(learner: Learner, seed: int = 0, std_b: float = 0.05
 
 
 def merged_copy(learner: Learner, tensors: Mapping[str, torch.Tensor],
-                scale: float) -> torch.nn.Module:
-    """A copy of the training-form transformer with W += scale * B A merged into each target."""
-    model = copy.deepcopy(learner.transformer)
-    with torch.no_grad():
-        for name, layer in lora_layers(model):
-            a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
-            layer.base_layer.weight.add_(scale * (b @ a))
-    return model
+                scale: float) -> dict[str, torch.nn.Module]:
+    """Copies of the training-form transformer(s) with W += scale * B A merged into each target
+    (tensor names as Learner.export writes them)."""
+    out = {}
+    for component, model in learner.models.items():
+        prefix = "" if len(learner.models) == 1 else f"{component}."
+        merged = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, layer in lora_layers(merged):
+                a = tensors[f"{prefix}{name}.lora_A.weight"]
+                b = tensors[f"{prefix}{name}.lora_B.weight"]
+                layer.base_layer.weight.add_(scale * (b @ a))
+        out[component] = merged
+    return out
 
 
 @torch.no_grad()
-def sample_local_ode(learner: Learner, model: torch.nn.Module, prompts: Sequence[PromptBundle],
-                     seeds: Sequence[int], num_steps: int, sampling) -> torch.Tensor:
-    """Local ODE rollout with the project's noise/schedule/convention code: (P*G, *S)."""
-    adapter = learner.adapter
+def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
+                     prompts: Sequence[PromptBundle], seeds: Sequence[int], num_steps: int,
+                     sampling) -> torch.Tensor:
+    """Local ODE rollout with the project's noise, schedule and step function: (P*G, *S)."""
+    family = learner.family
     group = len(seeds) // len(prompts)
-    cond = repeat_rows(learner.encode(prompts), [group] * len(prompts))
-    x = initial_noise(list(seeds), adapter.state_shape(sampling))
-    sigmas = flow_match_sigmas(num_steps, adapter.schedule_shift)
-    with use_policy(model, PolicyRole.REFERENCE):                   # merged base weights only
+    cond = learner.encode(prompts).repeat_rows([group] * len(prompts))
+    x = initial_noise(list(seeds), family.codec.state_shape(sampling))
+    sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps}))
+    guidance = learner.guidance(x.shape[0], 1.0, None)
+    with _reference(models):                                       # merged base weights only
         for i in range(num_steps):
             sigma, sigma_next = sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])
-            raw = adapter.model_forward(model, x, model_time(sigma, adapter.time_convention,
-                                                             adapter.model_time_scale), cond)
-            x = ode_step(x, to_sigma_velocity(raw, adapter.time_convention), sigma,
-                         sigma_next).prev_sample
+            x = denoise_step(family.denoiser, models, x, sigma, sigma_next, cond, guidance,
+                             SamplerKind.ODE, 0.0).prev_sample
     return x
+
+
+@contextmanager
+def _reference(models: Mapping[str, torch.nn.Module]) -> Iterator[None]:
+    """Adapters disabled on every model (the base weights, here with a LoRA merged in)."""
+    with ExitStack() as stack:
+        for model in models.values():
+            stack.enter_context(use_policy(model, PolicyRole.REFERENCE))
+        yield
 
 
 def check_lora_map(graph_states: torch.Tensor, base_states: torch.Tensor,
@@ -129,25 +160,39 @@ def check_lora_map(graph_states: torch.Tensor, base_states: torch.Tensor,
 
 
 # ---- (c) token ids -------------------------------------------------------------------------------
-def check_token_ids(held: Sequence[PromptBundle], outputs: Sequence[RolloutOutput]) -> int:
-    """The ids each request's encoder saw (output metadata) must equal the held ids."""
+def check_token_ids(held: Sequence[PromptBundle], outputs: Sequence[RolloutOutput],
+                    encoders: tuple[str, ...] | None = None) -> int:
+    """The ids each request's encoders saw (output metadata, per encoder) must equal the ids
+    the trainer holds for every encoder; `encoders`: the family's encoder names (None = the
+    names the graph reported)."""
     for bundle, out in zip(held, outputs):
         seen = out.metadata.get("encoded_token_ids")
-        if seen is None:
+        names = encoders or tuple(k for k in (seen or {}) if not k.startswith("negative/"))
+        if not seen or not names:
             raise StartupCheckError("the graph did not report the token ids its encoder saw",
                                     field="encoded_token_ids", expected=list(bundle.token_ids),
                                     actual=None, request_id=out.request_id)
-        if tuple(seen) != tuple(bundle.token_ids):
-            raise StartupCheckError("the encoder saw other token ids than the trainer holds",
-                                    field="encoded_token_ids", expected=list(bundle.token_ids),
-                                    actual=list(seen), request_id=out.request_id)
+        for name, ids in bundle.ids_by_encoder(names).items():
+            if tuple(seen.get(name, ())) != tuple(ids):
+                raise StartupCheckError("the encoder saw other token ids than the trainer holds",
+                                        field=f"encoded_token_ids.{name}", expected=list(ids),
+                                        actual=list(seen.get(name, ())),
+                                        request_id=out.request_id)
+        if bundle.negative is not None and any(k.startswith("negative/") for k in seen):
+            for name, ids in bundle.negative.ids_by_encoder(names).items():
+                if tuple(seen.get(f"negative/{name}", ())) != tuple(ids):
+                    raise StartupCheckError("the encoder saw other negative-prompt ids than the "
+                                            "trainer holds", field=f"encoded_token_ids."
+                                            f"negative/{name}", expected=list(ids),
+                                            actual=list(seen.get(f"negative/{name}", ())),
+                                            request_id=out.request_id)
     return len(held)
 
 
 # ---- per step: log-prob parity ----------------------------------------------------------------
 @torch.no_grad()
 def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callable[[str], dict],
-                     versions: Sequence[str], tol: float) -> dict[str, float]:
+                     versions: Sequence[str], tol: float, uncond=None) -> dict[str, float]:
     """Recompute the first window step's log-prob with the sampled version's weights (held in the
     old adapter) on the stored fp32 trajectory; |ratio - 1| must be <= tol."""
     if trajectory is None or trajectory.window[1] <= trajectory.window[0]:
@@ -158,8 +203,11 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
     for version in dict.fromkeys(versions):
         rows = torch.tensor([v == version for v in versions])
         with learner.as_old(version_tensors(version)):
-            v = learner.velocity(trajectory.latents[rows, 0], sigma[rows], cond.index_select(
-                rows.nonzero().flatten()), PolicyRole.OLD, trajectory.guidance_scale)
+            index = rows.nonzero().flatten()
+            v = learner.velocity(trajectory.latents[rows, 0], sigma[rows],
+                                 cond.index_select(index), PolicyRole.OLD,
+                                 trajectory.guidance_scale,
+                                 None if uncond is None else uncond.index_select(index))
         sub = _rows(trajectory, rows)
         lp[rows] = recompute_step(sub, j, v).log_prob
     diff = (lp - trajectory.log_probs[:, 0]).abs()
@@ -173,6 +221,5 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
 
 
 def _rows(trajectory, rows: torch.Tensor):
-    import dataclasses
     return dataclasses.replace(trajectory, latents=trajectory.latents[rows],
                                log_probs=trajectory.log_probs[rows])

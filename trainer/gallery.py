@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from adapters.base import DiffusionAdapter
+from adapters.family import ModelFamily
 from contract import Modality, Representation, RolloutOutput
 
 
@@ -21,7 +21,7 @@ def _decoded(outputs: Sequence[RolloutOutput], modality: Modality) -> torch.Tens
     return torch.cat(parts) if parts else None
 
 
-def record(run_dir: Path, adapter: DiffusionAdapter, step: int,
+def record(run_dir: Path, adapter: ModelFamily, step: int,
            outputs: Sequence[RolloutOutput], prompts: Sequence[str] | None = None) -> Path:
     """Write the gallery for evaluation `step`; prompts: the texts of the outputs' prompts."""
     root = run_dir / "gallery"

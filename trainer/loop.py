@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
-from adapters.registry import get_adapter
-from contract import (Algorithm, PromptBundle, ReplicaFailedError, RolloutOutput, RolloutRequest,
+from adapters.registry import get_family
+from contract import (Algorithm, PromptBundle, RolloutError, RolloutOutput, RolloutRequest,
                       SamplerKind)
 from deployments.client import RolloutClient
 from trainer import checks, gallery
@@ -33,7 +33,7 @@ from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
 from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, generator_state,
                                set_generator_state)
-from trainer.updates import UPDATES, build_batch
+from trainer.updates import UPDATES, build_batch, canonical_media
 
 ROLLOUT_RETRIES = 3   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
 RETRY_BACKOFF_S = 2.0  # wait before resubmission k: k x this (Serve replaces a dead replica)
@@ -63,9 +63,9 @@ class Trainer:
         torch.set_num_threads(1)
         self.cfg = cfg
         self.graph = cfg.graph_config()
-        self.adapter = get_adapter(self.graph.adapter)
-        self.components = self.adapter.load(self.graph.weights_path)
-        self.learner = Learner(self.adapter, self.components, cfg.lora, cfg.optimizer, cfg.seed)
+        self.family = get_family(self.graph.adapter, self.graph.weights_path,
+                                 self.graph.adapter_options)
+        self.learner = Learner.load(self.family, cfg.lora, cfg.optimizer, cfg.seed)
         self.client = client or RolloutClient.connect(self.graph.app_name)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ class Trainer:
         self.dropped_stale_rows = 0
         self.rollout_retries = 0
         self.progress = progress
-        self.feed = PromptFeed(cfg, self.adapter.tokenize)
+        self.feed = PromptFeed(cfg, self.family.conditioner.tokenize)
         self.eval_prompts = self.feed.eval_bundles
         self.ema = PolicyEMA(cfg.ema) if cfg.ema.enabled else None
         self._resume_pending: dict | None = None     # the in-flight batch's version, resumed
@@ -126,7 +126,7 @@ class Trainer:
         from the feed (scorer metadata and condition media with them)."""
         cfg = self.cfg
         batch = self.feed.batch(k, cfg.prompts_per_step)
-        requests = make_requests(self.adapter, batch.bundles, cfg.sampler, cfg.samples_per_prompt,
+        requests = make_requests(self.family, batch.bundles, cfg.sampler, cfg.samples_per_prompt,
                                  seed=(cfg.seed * 100_003 + k) * 1000,
                                  version=version or self.sampling_versions[-1],
                                  metadata=batch.metadata, media=batch.media)
@@ -134,18 +134,21 @@ class Trainer:
                        time.perf_counter(), batch.data_state)
 
     def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
-        """Outputs of a submitted batch; lost outputs (ReplicaFailedError) are resampled with
-        the same requests (same seeds and version) up to ROLLOUT_RETRIES times, with a growing
-        wait between attempts, counted in `rollout_retries`."""
+        """Outputs of a submitted batch; outputs lost to a retryable failure (a replica died:
+        ReplicaFailedError; a stage or the policy store briefly unavailable:
+        StageUnavailableError) are resampled with the same requests (same seeds and version) up
+        to ROLLOUT_RETRIES times, with a growing wait between attempts, counted in
+        `rollout_retries`; a restarted policy store gets this run's versions back first."""
         t0 = time.perf_counter()
         for attempt in range(ROLLOUT_RETRIES + 1):
             try:
                 return self.client.collect(pending.response), time.perf_counter() - t0
-            except ReplicaFailedError:
-                if attempt == ROLLOUT_RETRIES:
+            except RolloutError as exc:
+                if not exc.retryable or attempt == ROLLOUT_RETRIES:
                     raise
                 self.rollout_retries += 1
                 time.sleep(RETRY_BACKOFF_S * (attempt + 1))
+                self.publisher.ensure_store()
                 pending.response = self.client.submit(pending.requests)
         raise AssertionError("unreachable")
 
@@ -159,7 +162,7 @@ class Trainer:
         t0 = time.perf_counter()
         e = self.cfg.eval
         extra_metadata, extra_media = self.feed.eval_extras()
-        requests = make_requests(self.adapter, self.eval_prompts, self.cfg.sampler,
+        requests = make_requests(self.family, self.eval_prompts, self.cfg.sampler,
                                  e.samples_per_prompt, seed=e.seed,
                                  version=self.eval_version(), sampler=SamplerKind.ODE,
                                  num_steps=e.num_steps, metadata=extra_metadata,
@@ -173,7 +176,7 @@ class Trainer:
                         if v is not None]
                 out[f"eval_{name}/{key}_mean"] = sum(vals) / max(len(vals), 1)
         if self.cfg.gallery:
-            path = gallery.record(self.run_dir, self.adapter, self.step, outputs,
+            path = gallery.record(self.run_dir, self.family, self.step, outputs,
                                   prompts=[b.text or "" for b in self.eval_prompts])
             self.log_gallery(path, outputs)
         out["eval_s"] = time.perf_counter() - t0
@@ -202,7 +205,7 @@ class Trainer:
     def startup_checks(self) -> dict[str, float]:
         c, report = self.cfg.checks, {}
         if c.time_convention:
-            x0, prompts = probe_clean_latents(self.cfg.prompts, self.adapter, self.components)
+            x0, prompts = probe_clean_latents(self.cfg.prompts, self.family)
             report.update(checks.check_time_convention(self.learner, x0, prompts))
         if c.lora_map:
             report.update(self.check_lora_map())
@@ -217,7 +220,7 @@ class Trainer:
         num_steps = 4
         outs = {}
         for tag, ver in (("probe", version), ("base", "base")):
-            reqs = make_requests(self.adapter, prompts, self.cfg.sampler, 2, seed=7, version=ver,
+            reqs = make_requests(self.family, prompts, self.cfg.sampler, 2, seed=7, version=ver,
                                  sampler=SamplerKind.ODE, num_steps=num_steps)
             outs[tag] = self.rollout(reqs)
         states = {tag: build_batch(self.learner, prompts, o, [r.sampling for r in reqs]).x0
@@ -240,9 +243,10 @@ class Trainer:
 
     def train_on(self, outputs: list[RolloutOutput], pending: Pending) -> dict[str, float]:
         samplings = [r.sampling for r in pending.requests]
+        media = canonical_media(pending.requests)
         if self.cfg.checks.token_ids:
-            checks.check_token_ids(pending.prompts, outputs)
-        batch = build_batch(self.learner, pending.prompts, outputs, samplings)
+            checks.check_token_ids(pending.prompts, outputs, self.family.spec.encoder_names)
+        batch = build_batch(self.learner, pending.prompts, outputs, samplings, media)
         stale = stale_rows(batch.versions, self.sampling_versions,
                            self.cfg.pipeline.max_staleness)
         metrics: dict[str, float] = {"stale_rows": float(sum(stale))}
@@ -253,10 +257,15 @@ class Trainer:
             fresh = [i for i, o in enumerate(outputs) if stale_rows(
                 [o.policy_version], self.sampling_versions, self.cfg.pipeline.max_staleness) == [False]]
             batch = build_batch(self.learner, [pending.prompts[i] for i in fresh],
-                                [outputs[i] for i in fresh], [samplings[i] for i in fresh])
-        metrics.update(checks.logprob_mismatch(
-            self.learner, batch.trajectory, batch.cond, self.publisher.tensors_of,
-            batch.versions, self.cfg.checks.logprob_ratio_tol))
+                                [outputs[i] for i in fresh], [samplings[i] for i in fresh],
+                                [media[i] for i in fresh])
+        for rows, _ in batch.window_groups:       # one check per SDE window (Flow-GRPO-Fast)
+            sub = batch.select(rows)
+            parity = checks.logprob_mismatch(
+                self.learner, sub.trajectory, sub.cond, self.publisher.tensors_of,
+                sub.versions, self.cfg.checks.logprob_ratio_tol, sub.uncond)
+            for key, value in parity.items():     # the worst window counts
+                metrics[key] = max(metrics.get(key, value), value)
         metrics["reward_mean"] = float(batch.rewards.mean())
         metrics["reward_std"] = float(batch.rewards.std())
         for name, vals in batch.scores.items():

@@ -21,7 +21,7 @@ from peft.tuners.lora import LoraLayer
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.base import LoRATargetMap
+from adapters.lora_targets import LoRATargetMap
 from adapters.inference_form import modules_with_suffix
 from contract import ConfigError, LoRAMapError, PackedTensors
 from trainer.algorithms.nft import ema_update

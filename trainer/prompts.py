@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from adapters.base import Components, DiffusionAdapter
+from adapters.family import ModelFamily
 from contract import PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec
 from diffusion.samplers import DETERMINISTIC
 from diffusion.windows import sample_sde_window
@@ -31,7 +31,7 @@ def captions(source: PromptSource, n: int, seed: int, held_out: bool = False) ->
             clips.sample_specs(n, seed + (EVAL_SEED_OFFSET if held_out else 0))]
 
 
-def latent_names(adapter: DiffusionAdapter) -> tuple[str, ...]:
+def latent_names(adapter: ModelFamily) -> tuple[str, ...]:
     return tuple(s.name for s in adapter.io_spec.artifacts
                  if s.representation == Representation.LATENT)
 
@@ -47,7 +47,7 @@ def request_window(settings: SamplerSettings, seed: int, index: int) -> tuple[in
                              settings.random_window_range, rng)
 
 
-def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
+def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
                   sampler: SamplerKind | None = None, num_steps: int | None = None,
                   metadata: Sequence[dict] | None = None, media: Sequence | None = None
@@ -63,8 +63,8 @@ def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
             sde_window=None if kind in DETERMINISTIC else request_window(settings, seed, i),
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
-            **settings.media_shape(dict(adapter.sampling_defaults)))
-        task = next(iter(adapter.tasks))
+            **settings.media_shape(dict(adapter.spec.sampling_defaults)))
+        task = next(iter(adapter.spec.tasks))
         out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
                                   media=media[i] if media else None,
                                   requested_artifacts=None, policy_version=version,
@@ -73,17 +73,17 @@ def make_requests(adapter: DiffusionAdapter, bundles: Sequence[PromptBundle],
 
 
 # ---- clean probe latents (time-convention check) -------------------------------------------
-def _shapes_latents(adapter, components: Components, n: int, seed: int):
+def _shapes_latents(family: ModelFamily, n: int, seed: int):
     from adapters.tiny_t2i import vae_encode
     from synthetic import shapes
     specs = shapes.sample_specs(n, seed, shapes.Split.EVAL)
     images = shapes.render_batch(specs)                                  # (n, 3, 32, 32) uint8
     with torch.no_grad():
-        x0 = vae_encode(components.decoders["image_latent"], images)     # (n, 4, 8, 8)
+        x0 = vae_encode(family.load_decoder("image_latent")["vae"], images)   # (n, 4, 8, 8)
     return x0, [shapes.caption(s) for s in specs]
 
 
-def _clips_latents(adapter, components: Components, n: int, seed: int):
+def _clips_latents(family: ModelFamily, n: int, seed: int):
     import numpy as np
     from synthetic import clips
     specs = clips.sample_specs(n, seed + EVAL_SEED_OFFSET)
@@ -91,9 +91,10 @@ def _clips_latents(adapter, components: Components, n: int, seed: int):
     video = torch.from_numpy(np.stack([r.video for r in rendered]))     # (n, T, 3, H, W) uint8
     audio = torch.from_numpy(np.stack([r.audio for r in rendered]))     # (n, 1, N) float
     with torch.no_grad():
-        v = adapter.encode_video(components.decoders["video_latent"], video)
-        a = adapter.encode_audio(components.decoders["audio_latent"], audio)
-    return adapter.pack(v, a), [clips.caption(s) for s in specs]
+        codec = family.codec
+        v = codec.encode_video(family.load_decoder("video_latent")["video_vae"], video)
+        a = codec.encode_audio(family.load_decoder("audio_latent")["audio_vae"], audio)
+    return codec.pack(v, a), [clips.caption(s) for s in specs]
 
 
 PROBE_LATENTS: dict[PromptSource, Callable] = {
@@ -102,9 +103,9 @@ PROBE_LATENTS: dict[PromptSource, Callable] = {
 }
 
 
-def probe_clean_latents(source: PromptSource, adapter: DiffusionAdapter, components: Components,
-                        n: int = 4, seed: int = 123) -> tuple[torch.Tensor, list[PromptBundle]]:
+def probe_clean_latents(source: PromptSource, family: ModelFamily, n: int = 4,
+                        seed: int = 123) -> tuple[torch.Tensor, list[PromptBundle]]:
     """(n, *S) clean sampler states of real synthetic media and their prompts' token ids."""
-    x0, texts = PROBE_LATENTS[source](adapter, components, n, seed)
-    return x0.float(), adapter.tokenize(texts)
+    x0, texts = PROBE_LATENTS[source](family, n, seed)
+    return x0.float(), family.conditioner.tokenize(texts)
 

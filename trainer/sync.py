@@ -15,7 +15,7 @@ import ray
 import torch
 
 from contract import PackedTensors, PolicyVersionError
-from deployments.policy_store import get_policy_store
+from deployments.policy_store import PublishedPolicy, get_policy_store
 
 
 class PolicyPublisher:
@@ -25,8 +25,11 @@ class PolicyPublisher:
         self.keep = keep
         self.tensors: "OrderedDict[str, dict[str, torch.Tensor]]" = OrderedDict()
         self.steps: dict[str, int] = {}
+        self.scales: dict[str, float] = {}
         self._refs: "OrderedDict[str, object]" = OrderedDict()   # keep objects alive
         self.last_phases: dict[str, float] = {}           # pack_s / put_s / register_s
+        self._incarnation: str | None = None      # of the store, as of the last publish
+        self.restores = 0                         # times the store restarted and was restored
 
     def version(self, name: str) -> str:
         return f"{self.run_tag}/{name}"
@@ -41,16 +44,39 @@ class PolicyPublisher:
         t1 = time.perf_counter()
         ref = ray.put(packed)
         t2 = time.perf_counter()
-        ray.get(self.store.publish.remote(version, step, scale, [ref]))
+        incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref]))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
         self.tensors[version] = packed.unpack()     # the published snapshot, not the caller's
         self.steps[version] = step
+        self.scales[version] = scale
         self._refs[version] = ref
         while len(self.tensors) > self.keep:
             old, _ = self.tensors.popitem(last=False)
             self._refs.pop(old, None)
+            self.steps.pop(old, None)
+            self.scales.pop(old, None)
+        if self._incarnation is not None and incarnation != self._incarnation:
+            self._restore()                 # the store restarted since the last publish
+        self._incarnation = incarnation
         return version, time.perf_counter() - t0
+
+    def ensure_store(self) -> bool:
+        """If the store restarted since the last publish (it came back empty), register again
+        every version this publisher holds; True when it did. The trainer calls this at each
+        step and before resubmitting rollouts that failed as retryable."""
+        if self._incarnation is None:
+            return False
+        if ray.get(self.store.incarnation.remote()) == self._incarnation:
+            return False
+        self._restore()
+        return True
+
+    def _restore(self) -> None:
+        held = [PublishedPolicy(v, self.steps[v], self.scales[v], [self._refs[v]])
+                for v in self._refs]
+        self._incarnation = ray.get(self.store.restore.remote(held))
+        self.restores += 1
 
     def tensors_of(self, version: str) -> dict[str, torch.Tensor]:
         if version not in self.tensors:

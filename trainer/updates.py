@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from adapters.base import TextCondition
-from contract import (Algorithm, InvalidRequestError, PromptBundle, RolloutOutput, SamplingSpec,
+from contract import (Algorithm, Condition, InvalidRequestError, MediaRole, PromptBundle,
+                      RolloutOutput, RolloutRequest, SamplingSpec, normalize_media,
                       Trajectory)
-from diffusion.schedule import flow_match_sigmas
 from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
                                 flow_grpo_loss, group_advantages, nft_loss, nft_timestep_indices,
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 sample_pair_sigmas, trainable_step_indices, transition_kl,
                                 velocity_kl, zero_advantage_groups, KLTarget)
+from diffusion.step import doubles_rows
 from trainer.config import TrainerConfig
-from trainer.learner import Learner, repeat_rows, state_from_latents
+from trainer.learner import Learner, state_from_latents
 from trainer.lora import PolicyRole
 
 
@@ -35,7 +35,7 @@ class Batch:
     x0: torch.Tensor                   # (B, *S) final clean sampler state
     rewards: torch.Tensor              # (B,) total reward
     group_ids: tuple[str, ...]         # B prompt/request ids
-    cond: TextCondition                # (B, L, D) trainer-side condition of each row
+    cond: Condition                    # B rows: the trainer-side condition of each row
     trajectory: Trajectory | None      # all rows, when they share one window; else None
     versions: tuple[str, ...]          # B policy versions the rows were sampled with
     scores: dict[str, list[float]]     # '<scorer>/<score>' -> values of OK rows
@@ -46,6 +46,9 @@ class Batch:
     # rows sharing one SDE window (Flow-GRPO-Fast draws one per prompt group): (rows (R,), the
     # rows' trajectories concatenated); empty for ODE rollouts
     window_groups: tuple[tuple[torch.Tensor, Trajectory], ...] = ()
+    uncond: Condition | None = None    # B rows of CFG's unconditional branch; None without CFG
+    inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the forward's
+    # per-request inputs (condition media, position ids), (B, ...) each, as the rollout had them
 
     @property
     def rows(self) -> int:
@@ -66,6 +69,8 @@ class Batch:
             self, x0=self.x0[index], rewards=self.rewards[index],
             group_ids=tuple(self.group_ids[i] for i in index.tolist()),
             cond=self.cond.index_select(index), trajectory=whole,
+            uncond=None if self.uncond is None else self.uncond.index_select(index),
+            inputs={k: v[index] for k, v in self.inputs.items()},
             versions=tuple(self.versions[i] for i in index.tolist()),
             reward_values={k: v[index] for k, v in self.reward_values.items()},
             window_groups=groups)
@@ -108,11 +113,19 @@ def _window_groups(trajs: Sequence[Trajectory | None], repeats: Sequence[int]
                  for members in by_window.values())
 
 
+def canonical_media(requests: Sequence[RolloutRequest]) -> list[dict[MediaRole, torch.Tensor]]:
+    """Each request's condition media under their canonical roles (as the graph reads them)."""
+    return [{role: item.data for role, item in
+             normalize_media(r.media, r.task, r.request_id).items()} for r in requests]
+
+
 def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
-                outputs: Sequence[RolloutOutput], samplings: Sequence[SamplingSpec]) -> Batch:
+                outputs: Sequence[RolloutOutput], samplings: Sequence[SamplingSpec],
+                media: Sequence[Mapping[MediaRole, torch.Tensor] | None] | None = None) -> Batch:
     """Flatten RolloutOutputs (one per prompt) into rows; the condition is re-encoded by the
-    trainer from the same PromptBundles that were sent."""
-    adapter = learner.adapter
+    trainer from the same PromptBundles that were sent, the per-request forward inputs from
+    the same condition media (`media[i]`, canonical roles) and sampling sizes."""
+    family = learner.family
     states, rewards, groups, versions = [], [], [], []
     scores: dict[str, list[float]] = {}
     per_scorer: dict[str, list[float]] = {}
@@ -122,7 +135,7 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
                                       field="rewards", request_id=out.request_id)
         latents = {n: a.data for n, a in out.artifacts.items() if a.spec.representation.value
                    == "latent"}
-        states.append(state_from_latents(adapter, latents, sampling))
+        states.append(state_from_latents(family, latents, sampling))
         rewards.extend(out.rewards.total)
         groups.extend([out.request_id] * len(out.seeds))
         versions.extend([out.policy_version] * len(out.seeds))
@@ -132,14 +145,18 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
         for name, vals in out.rewards.values.items():
             per_scorer.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
     repeats = [len(o.seeds) for o in outputs]
-    cond = repeat_rows(learner.encode(prompts), repeats)
+    cond = learner.encode(prompts).repeat_rows(repeats)
+    uncond = None        # CFG rollouts: each row's unconditional branch, as the graph formed it
+    if doubles_rows(family.spec.guidance, samplings[0].guidance_scale):
+        uncond = learner.uncond(prompts).repeat_rows(repeats)
     windows = _window_groups([o.trajectory for o in outputs], repeats)
     weights = dict(outputs[0].rewards.weights)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
                  cond, windows[0][1] if len(windows) == 1 else None, tuple(versions),
                  scores, samplings[0],
                  {k: torch.tensor(v, dtype=torch.float64) for k, v in per_scorer.items()},
-                 weights, windows)
+                 weights, windows, uncond,
+                 learner.forward_inputs(samplings, media, repeats))
 
 
 def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
@@ -180,7 +197,7 @@ def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
     if batch is None:       # every group tied: no signal, no step (counted, not faked)
         return totals | {"skipped_zero_advantage": 1.0}
     r = optimality_probability(adv, c.adv_clip_max, c.adv_mode)                            # (B,)
-    sigmas = flow_match_sigmas(cfg.sampler.num_steps, learner.adapter.schedule_shift)[:-1]
+    sigmas = learner.family.sigmas(batch.sampling)[:-1]
     x0 = batch.x0
     order = nft_timestep_indices(batch.rows, len(sigmas), c.train_timesteps, c.timesteps, gen)
     for idx in order:                                                                 # (B,) each
@@ -189,10 +206,12 @@ def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
         s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
         x_sigma = (1 - s) * x0 + s * eps
         with torch.no_grad():
-            v_old = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.OLD)
-            v_ref = (learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.REFERENCE)
-                     if c.ref_kl_coef > 0 else None)
-        v_theta = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.CURRENT)
+            v_old = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.OLD,
+                                     media=batch.inputs)
+            v_ref = (learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.REFERENCE,
+                                      media=batch.inputs) if c.ref_kl_coef > 0 else None)
+        v_theta = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.CURRENT,
+                                   media=batch.inputs)
         out = nft_loss(v_theta, v_old, x_sigma, x0, sigma, r, beta=c.beta,
                        adv_clip_max=c.adv_clip_max, v_ref=v_ref, ref_kl_coef=c.ref_kl_coef)
         (out.loss / c.train_timesteps).backward()
@@ -223,17 +242,20 @@ def grpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
         steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
         share = rows.shape[0] / batch.rows
         cond, a, start = batch.cond.index_select(rows), adv[rows], traj.window[0]
+        uncond = None if batch.uncond is None else batch.uncond.index_select(rows)
+        inputs = {k: v[rows] for k, v in batch.inputs.items()}
         trained_steps += share * len(steps)
         for j in steps:
             sigma = traj.sigmas[j].expand(rows.shape[0])
             x_j = traj.latents[:, j - start]
-            v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale)
+            v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale,
+                                 uncond, inputs)
             out = recompute_step(traj, j, v)
             kl = None
             if c.kl_beta > 0:
                 with torch.no_grad():
                     v_ref = learner.velocity(x_j, sigma, cond, PolicyRole.REFERENCE,
-                                             traj.guidance_scale)
+                                             traj.guidance_scale, uncond, inputs)
                 if c.kl_target is KLTarget.VELOCITY:
                     kl = velocity_kl(v, v_ref)
                 else:
@@ -258,18 +280,21 @@ def dpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
     if pairs.num_pairs == 0:   # every group tied: no preference, no step (counted, not faked)
         return {"dpo_pairs": 0.0, "skipped_no_pairs": 1.0}
     x_w, x_l = batch.x0[pairs.winner], batch.x0[pairs.loser]
-    cond = batch.cond.index_select(torch.cat([pairs.winner, pairs.loser]))
+    pair_rows = torch.cat([pairs.winner, pairs.loser])
+    cond = batch.cond.index_select(pair_rows)
+    inputs = {k: v[pair_rows] for k, v in batch.inputs.items()}
     totals: dict[str, float] = {}
     draws = cfg.dpo.draws_per_pair
     for _ in range(draws):
-        sigma = sample_pair_sigmas(pairs.num_pairs, shift=learner.adapter.schedule_shift,
+        shift = learner.family.schedule_shift(batch.sampling)
+        sigma = sample_pair_sigmas(pairs.num_pairs, shift=shift,
                                    generator=gen)                                         # (P,)
         noise = torch.randn(x_w.shape, generator=gen)
         inp = dpo_pair_inputs(x_w, x_l, noise, sigma)
         x_in, s_in = torch.cat([inp.x_winner, inp.x_loser]), torch.cat([sigma, sigma])
-        v = learner.velocity(x_in, s_in, cond, PolicyRole.CURRENT)
+        v = learner.velocity(x_in, s_in, cond, PolicyRole.CURRENT, media=inputs)
         with torch.no_grad():
-            v_ref = learner.velocity(x_in, s_in, cond, PolicyRole.REFERENCE)
+            v_ref = learner.velocity(x_in, s_in, cond, PolicyRole.REFERENCE, media=inputs)
         p = pairs.num_pairs
         out = dpo_loss(v[:p], v[p:], v_ref[:p], v_ref[p:], inp.target_winner, inp.target_loser,
                        beta=cfg.dpo.beta)

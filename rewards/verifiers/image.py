@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from contract import InvalidRequestError, Modality, ScorerOutput, ScoreStatus
+from contract import (InvalidRequestError, Modality, ScorerOutput, ScoreStatus,
+                      UnscorableInputError)
 from rewards.base import ScoreRequest
 from rewards.media import require_decoded
 from synthetic.shapes import (BACKGROUND_RGB, BACKGROUNDS, COLOR_RGB, COLORS, POSITION_ANCHORS,
@@ -115,13 +116,23 @@ def score_image(image: torch.Tensor, spec: ImageSpec) -> dict[str, float]:
 
 class ImageAttributeScorer:
     """Scorer protocol: decoded `image` artifact + shape captions -> color/shape/position/
-    background/total scores. Raises InvalidRequestError for a caption outside the vocabulary."""
+    background/total scores. A caption outside the vocabulary is the client's input the scorer
+    cannot read: UnscorableInputError, from `check_prompt` (the ingress runs it first) or
+    `score`."""
 
     name = "image_attributes"
     primary = "total"
 
     def __init__(self, artifact: str = "image"):
         self.required_artifacts = (artifact,)
+
+    def check_prompt(self, text: str) -> None:
+        """rewards.base.ChecksPrompts: the caption must parse (synthetic/shapes.py grammar)."""
+        try:
+            parse_caption(text)
+        except InvalidRequestError as err:
+            raise UnscorableInputError(err.message, field=err.field, expected=err.expected,
+                                       actual=err.actual) from None
 
     def score(self, request: ScoreRequest) -> ScorerOutput:
         artifact = require_decoded(request.artifacts, self.required_artifacts[0], Modality.IMAGE,
@@ -140,9 +151,9 @@ class ImageAttributeScorer:
             try:
                 specs.append(parse_caption(prompt))
             except InvalidRequestError as err:
-                raise InvalidRequestError(err.message, field=f"{self.name}.prompts[{i}]."
-                                          f"{err.field}", expected=err.expected,
-                                          actual=err.actual) from err
+                raise UnscorableInputError(err.message, field=f"{self.name}.prompts[{i}]."
+                                           f"{err.field}", expected=err.expected,
+                                           actual=err.actual) from err
         rows = [score_image(img, spec) for img, spec in zip(images, specs)]
         scores = {name: tuple(row[name] for row in rows) for name in SCORE_NAMES}
         return ScorerOutput(scorer=self.name, scores=scores,

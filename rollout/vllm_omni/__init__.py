@@ -7,7 +7,7 @@ engine (the client), fake (a CPU stand-in for AsyncOmni used by the tests).
 """
 
 
-def build_engine(config, adapter, components):
+def build_engine(config, family):
     """rollout.strategy's entry point for EngineKind.VLLM_OMNI (GPU machines)."""
     from contract import ConfigError
     from rollout.vllm_omni.engine import VllmOmniEngine
@@ -15,5 +15,5 @@ def build_engine(config, adapter, components):
     if config.weights_path is None:
         raise ConfigError("the vLLM-Omni engine needs a local model directory",
                           field="rollout.weights_path", expected="a local path", actual=None)
-    return VllmOmniEngine.create(adapter.name, config.weights_path,
+    return VllmOmniEngine.create(config.adapter, config.weights_path,
                                  max_num_seqs=config.limits.max_batch_rows)

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
-from adapters.base import DiffusionAdapter
+from adapters.family import ModelFamily
+from adapters.lora_targets import LoRATargetMap
 from contract import (ConfigError, PolicyVersionError, ReplicaFailedError,
                       RequestCancelledError)
 from rollout.engine_api import EngineRequest, EngineResult
@@ -29,10 +30,16 @@ BASE_VERSION = "base"
 PIPELINE_CLASS = "rollout.vllm_omni.pipeline.RolloutPipeline"
 
 
+def served_lora_map(family: ModelFamily) -> LoRATargetMap:
+    """The worker applies LoRA with peft on the training-form transformer: the identity map
+    over the family's explicit targets."""
+    return LoRATargetMap.identity(family.spec.lora_targets["transformer"])
+
+
 class VllmOmniEngine:
     """DiffusionEngine over a (real or fake) AsyncOmni. Build with `VllmOmniEngine.create`."""
 
-    def __init__(self, omni: Any, api: SimpleNamespace, adapter: DiffusionAdapter,
+    def __init__(self, omni: Any, api: SimpleNamespace, adapter: ModelFamily,
                  lora_modules: Mapping[str, tuple[int, int]], lora_root: Path):
         self._omni, self._api, self.adapter = omni, api, adapter
         self._lora_modules = dict(lora_modules)
@@ -49,13 +56,13 @@ class VllmOmniEngine:
                dtype: torch.dtype = torch.bfloat16, **engine_kwargs: Any) -> "VllmOmniEngine":
         """Start AsyncOmni on `model_path` with the project pipeline. `api` defaults to the real
         vLLM-Omni classes (api.load_real_api); CPU tests pass the fake's namespace."""
-        from adapters.registry import get_adapter
+        from adapters.registry import get_family
         from rollout.vllm_omni.api import load_real_api
 
         api = api or load_real_api()
-        adapter = get_adapter(adapter_name)
-        transformer = adapter.load(model_path).transformer     # LoRA targets for load_lora checks
-        modules = lora_module_shapes(transformer, adapter.lora_map)
+        adapter = get_family(adapter_name, model_path)
+        transformer = adapter.load("transformer")      # LoRA targets for load_lora checks
+        modules = lora_module_shapes(transformer, served_lora_map(adapter))
         del transformer
         omni = api.AsyncOmni(
             model=model_path,
@@ -128,7 +135,7 @@ class VllmOmniEngine:
         if version == BASE_VERSION:
             raise ConfigError("the base version cannot carry a LoRA", field="version",
                               actual=version)
-        rank = check_lora_tensors(tensors, self._lora_modules, self.adapter.lora_map)
+        rank = check_lora_tensors(tensors, self._lora_modules, served_lora_map(self.adapter))
         lora_id = next(self._lora_ids)
         path = self._lora_root / f"{lora_id:06d}"
         write_peft_dir(path, tensors, rank, scale)

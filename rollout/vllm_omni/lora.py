@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from adapters.base import LoRATargetMap
+from adapters.lora_targets import LoRATargetMap
 from contract import LoRAMapError
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")

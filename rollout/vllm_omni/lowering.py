@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from adapters.base import DiffusionAdapter, TextCondition
-from contract import (MediaArtifact, MissingArtifactError, OutputContractError,
+from adapters.family import ModelFamily
+from contract import (Condition, MediaArtifact, MissingArtifactError, OutputContractError,
                       PolicyVersionError, ReplicaFailedError, SamplerKind, SamplingSpec, StopReason,
                       Trajectory, UnexpectedArtifactError, collect_artifacts)
 from rollout.engine_api import EngineRequest, EngineResult
@@ -21,11 +21,9 @@ RL_GROUP = "rl"   # our metadata group inside the envelope (vLLM-Omni tolerates 
 
 
 # ---- client side: lowering ---------------------------------------------------------------------
-def _condition_args(prefix: str, cond: TextCondition) -> dict[str, torch.Tensor]:
-    out = {f"{prefix}_embeds": cond.hidden, f"{prefix}_embeds_mask": cond.mask}
-    if cond.pooled is not None:
-        out[f"{prefix}_pooled"] = cond.pooled
-    return out
+def _condition_args(prefix: str, cond: Condition) -> dict[str, torch.Tensor]:
+    """A Condition's named tensors as `extra_args` entries `<prefix>.<name>`."""
+    return {f"{prefix}.{name}": tensor for name, tensor in cond.tensors.items()}
 
 
 def lower_prompt(request: EngineRequest) -> dict[str, Any]:
@@ -38,8 +36,8 @@ def lower_prompt(request: EngineRequest) -> dict[str, Any]:
     prompt: dict[str, Any] = {"prompt_ids": list(bundle.token_ids)}
     if bundle.attention_mask is not None:
         prompt["prompt_mask"] = torch.tensor(bundle.attention_mask, dtype=torch.long)
-    if bundle.negative_token_ids is not None:
-        prompt["negative_prompt_ids"] = list(bundle.negative_token_ids)
+    if bundle.negative is not None:
+        prompt["negative_prompt_ids"] = list(bundle.negative.token_ids)
     extra: dict[str, Any] = _condition_args("prompt", request.cond)
     if request.negative is not None:
         extra.update(_condition_args("negative_prompt", request.negative))
@@ -74,17 +72,17 @@ def read_sampling(extra_args: Mapping[str, Any]) -> tuple[SamplingSpec, tuple[st
             tuple(extra_args["latent_artifacts"]))
 
 
-def read_condition(extra_args: Mapping[str, Any], prefix: str) -> TextCondition | None:
-    if f"{prefix}_embeds" not in extra_args:
-        return None
-    return TextCondition(extra_args[f"{prefix}_embeds"], extra_args[f"{prefix}_embeds_mask"],
-                         extra_args.get(f"{prefix}_pooled"))
+def read_condition(extra_args: Mapping[str, Any], prefix: str) -> Condition | None:
+    """Worker side inverse of `_condition_args` (None when the prefix is absent)."""
+    head = f"{prefix}."
+    tensors = {k[len(head):]: v for k, v in extra_args.items() if k.startswith(head)}
+    return Condition(tensors) if tensors else None
 
 
 # ---- worker side: the envelope ----------------------------------------------------------------
 def build_envelope(latents: Mapping[str, torch.Tensor], sampling: SamplingSpec,
                    sigmas: torch.Tensor, window: tuple[int, int],
-                   lora_int_id: int) -> dict[str, Any]:
+                   lora_int_id: int, frozen_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Named latents (B, *layout) + RL metadata -> the canonical payload/metadata envelope."""
     return {"payload": {"output": dict(latents)},
             "metadata": {RL_GROUP: {"sigmas": sigmas.tolist(), "window": list(window),
@@ -92,11 +90,13 @@ def build_envelope(latents: Mapping[str, torch.Tensor], sampling: SamplingSpec,
                                     "sampler": sampling.sampler.value,
                                     "noise_level": sampling.noise_level,
                                     "guidance_scale": sampling.guidance_scale,
-                                    "lora_int_id": lora_int_id}}}
+                                    "lora_int_id": lora_int_id,
+                                    "frozen_mask": None if frozen_mask is None
+                                    else frozen_mask.cpu()}}}
 
 
 # ---- client side: normalising the output ------------------------------------------------------
-def normalize_output(out: Any, request: EngineRequest, adapter: DiffusionAdapter,
+def normalize_output(out: Any, request: EngineRequest, adapter: ModelFamily,
                      lora_int_id: int, metrics: Mapping[str, float]) -> EngineResult:
     """The last OmniRequestOutput of one request -> EngineResult. Fails closed on anything
     missing or undeclared; never substitutes a value."""
@@ -147,7 +147,8 @@ def normalize_output(out: Any, request: EngineRequest, adapter: DiffusionAdapter
         log_probs=out.trajectory_log_probs.float(),
         window=tuple(rl["window"]), sampler=SamplerKind(rl["sampler"]),
         noise_level=float(rl["noise_level"]), guidance_scale=float(rl["guidance_scale"]),
-        seeds=tuple(rl["seeds"]), policy_version=request.policy_version)
+        seeds=tuple(rl["seeds"]), policy_version=request.policy_version,
+        frozen_mask=rl.get("frozen_mask"))
     _check_trajectory(trajectory, s, rid)
     return EngineResult(request_id=rid, latents=latents, trajectory=trajectory,
                         policy_version=request.policy_version, stop_reason=StopReason.FINISHED,

@@ -14,7 +14,8 @@ from enum import Enum
 import torch
 
 from contract import ConfigError, InvalidRequestError, NonFiniteError, Trajectory
-from diffusion.samplers import StepOutput, sampler_step
+from diffusion.samplers import StepOutput
+from diffusion.step import FrozenLatents, transition
 
 
 class KLTarget(str, Enum):
@@ -88,8 +89,12 @@ def recompute_step(trajectory: Trajectory, step: int, velocity: torch.Tensor) ->
     rows = s.x.shape[0]
     sigma = torch.full((rows,), s.sigma, dtype=torch.float32, device=s.x.device)
     sigma_next = torch.full((rows,), s.sigma_next, dtype=torch.float32, device=s.x.device)
-    return sampler_step(trajectory.sampler, s.x, velocity, sigma, sigma_next,
-                        trajectory.noise_level, None, prev_sample=s.x_next)
+    frozen = None
+    if trajectory.frozen_mask is not None:      # condition entries: held, not scored
+        mask = trajectory.frozen_mask.to(s.x.device)
+        frozen = FrozenLatents(mask, s.x_next)
+    return transition(trajectory.sampler, s.x, velocity, sigma, sigma_next,
+                      trajectory.noise_level, None, prev_sample=s.x_next, frozen=frozen)
 
 
 def _elem_mean(x: torch.Tensor) -> torch.Tensor:  # (B, *S) -> (B,)

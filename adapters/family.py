@@ -1,0 +1,320 @@
+"""The model seam: one `ModelFamily` per family, with its parts cut by job.
+
+    family = get_family("sd3", "/ckpt/sd3.5-medium")       # adapters/registry.py (or "auto")
+    family.spec           declarations: io spec, tasks, time convention, guidance kind, encoders
+                          (+ ETP plan), transformer components, LoRA targets, decoders, defaults
+    family.load(name)     one checkpoint component, in a dtype on a device (each stage loads
+                          only the components it uses)
+    family.sigmas(s)      the sigma table of a sampling spec (incl. resolution-dependent shift)
+    family.conditioner    tokenize (the checkpoint's own tokenizers -> PromptBundle with ids per
+                          encoder), null prompt, encode(encoders, prompts) -> contract.Condition
+    family.denoiser       stateless forward (diffusion.step.Denoiser)
+    family.codec          state <-> named latents, condition media -> MediaCondition, decode
+
+The one denoising step (forward + guidance + time convention + sampler) is
+`diffusion.step.denoise_step`; nothing in a family re-implements it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch import nn
+
+from adapters.checkpoint import load_component, resolve_dtype
+from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, IOSpec, LimitExceededError,
+                      MediaRole, PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
+                      TimeConvention, check_limits, normalize_media)
+from diffusion.step import FrozenLatents, doubles_rows
+
+
+def parse_options(cls: type[BaseModel], options: Mapping | None, family: str) -> BaseModel:
+    """A family's options (config `rollout.adapter_options`) or ConfigError naming the field."""
+    try:
+        return cls.model_validate(dict(options or {}))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"invalid {family} options: {first['msg']}",
+                          field=f"rollout.adapter_options.{loc}",
+                          actual=first.get("input")) from None
+
+
+class NoOptions(BaseModel):
+    """A family without options: any option given is an error naming it."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+
+class Overflow(str, Enum):
+    """What an encoder does with a prompt longer than its window (declared, never silent)."""
+
+    REJECT = "reject"          # LimitExceededError naming the prompt and the encoder
+    TRUNCATE = "truncate"      # cut to max_length as the family's pipeline does; recorded
+
+
+@dataclass(frozen=True)
+class ETPPlan:
+    """How one text encoder splits over ETP shard workers (Megatron column / row parallel).
+
+    layers: dotted path of the layer list; column / row: module names inside each layer;
+    vocab: the token-embedding module (vocab-parallel) or None; heads: config attribute holding
+    the attention head count (etp must divide it); local_heads: per-layer attributes that store
+    a head count the attention code reshapes with (divided by etp on each shard).
+    """
+
+    layers: str
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    vocab: str | None
+    heads: str = "num_attention_heads"
+    local_heads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """One text encoder: `name` keys its ids in a PromptBundle (the first encoder's ids are
+    PromptBundle.token_ids); `component` / `tokenizer` are checkpoint subfolders."""
+
+    name: str
+    component: str
+    tokenizer: str
+    max_length: int
+    overflow: Overflow = Overflow.REJECT
+    etp: ETPPlan | None = None
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything a stage needs to know about a family before loading any weights."""
+
+    name: str
+    io_spec: IOSpec
+    tasks: Mapping[Task, tuple[MediaRole, ...]]
+    time_convention: TimeConvention
+    model_time_scale: float
+    guidance: GuidanceKind
+    transformers: tuple[str, ...]                    # denoiser components ("transformer", ...)
+    lora_targets: Mapping[str, tuple[str, ...]]      # component -> module suffixes (explicit)
+    encoders: tuple[EncoderSpec, ...]
+    decoders: Mapping[str, tuple[str, ...]]          # latent artifact -> components it decodes with
+    media_encoders: tuple[str, ...] = ()             # components that encode condition media
+    sampling_defaults: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def encoder_names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.encoders)
+
+    def encoder(self, name: str) -> EncoderSpec:
+        for e in self.encoders:
+            if e.name == name:
+                return e
+        raise InvalidRequestError("the family has no encoder of this name", field="encoder",
+                                  expected=list(self.encoder_names), actual=name)
+
+
+@dataclass(frozen=True)
+class MediaCondition:
+    """Condition media of one request, encoded: entries held in the state (`frozen`) and named
+    extra model inputs (`inputs`, (1 or B, ...) each, e.g. Wan I2V's image latents)."""
+
+    frozen: FrozenLatents | None = None
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    key: tuple = ()        # what else rows must share to run together (e.g. the latent grid)
+
+    def batch_key(self) -> tuple:
+        return (None if self.frozen is None else tuple(self.frozen.mask.shape[1:]),
+                tuple((k, tuple(v.shape[1:])) for k, v in sorted(self.inputs.items())),
+                self.key)
+
+
+NO_MEDIA = MediaCondition()
+
+
+class Conditioner(ABC):
+    """Prompts -> token ids (once) -> Condition. Ids are never decoded and re-tokenized."""
+
+    def __init__(self, spec: FamilySpec):
+        self.spec = spec
+
+    @abstractmethod
+    def tokenize_one(self, encoder: EncoderSpec, text: str,
+                     field: str) -> tuple[tuple[int, ...], bool]:
+        """(ids, truncated) of `text` for one encoder with its own tokenizer; overflow handled
+        as declared (REJECT raises LimitExceededError naming `field`; TRUNCATE cuts to the
+        window as the family's pipeline does and says so)."""
+
+    @abstractmethod
+    def encode(self, encoders: Mapping[str, nn.Module],
+               prompts: Sequence[PromptBundle]) -> Condition:
+        """Run the text encoders (name -> module) on the ids exactly as given: P rows."""
+
+    def tokenize(self, texts: Sequence[str],
+                 negatives: Sequence[str | None] | None = None) -> list[PromptBundle]:
+        """One PromptBundle per text with ids for every encoder (and the negative prompt's)."""
+        if negatives is not None and len(negatives) != len(texts):
+            raise InvalidRequestError("one negative prompt (or null) per prompt",
+                                      field="negative_prompts", expected=len(texts),
+                                      actual=len(negatives))
+        out = []
+        for i, text in enumerate(texts):
+            negative = None if negatives is None or negatives[i] is None else \
+                self._bundle(negatives[i], f"negative_prompts[{i}]")
+            out.append(self._bundle(text, f"prompts[{i}]", negative))
+        return out
+
+    def _bundle(self, text: str, field: str, negative: PromptBundle | None = None) -> PromptBundle:
+        ids = {e.name: self.tokenize_one(e, text, field) for e in self.spec.encoders}
+        first, *rest = self.spec.encoder_names
+        return PromptBundle(token_ids=ids[first][0],
+                            encoder_token_ids={name: ids[name][0] for name in rest},
+                            truncated=tuple(name for name, (_, cut) in ids.items() if cut),
+                            negative=negative, text=text)
+
+    def null_prompt(self) -> PromptBundle:
+        """The unconditional prompt of CFG when a request has no negative prompt: empty text."""
+        return self._bundle("", "null_prompt")
+
+    def unconditional(self, prompt: PromptBundle) -> PromptBundle:
+        """The bundle the unconditional branch encodes: the prompt's negative, else the null."""
+        return prompt.negative if prompt.negative is not None else self.null_prompt()
+
+    def check_ids(self, prompt: PromptBundle, field: str = "prompt") -> dict[str, tuple[int, ...]]:
+        """{encoder: ids}: ids for exactly the family's encoders, each within its window."""
+        ids = prompt.ids_by_encoder(self.spec.encoder_names)
+        for name, seq in ids.items():
+            window = self.spec.encoder(name).max_length
+            if len(seq) > window:
+                raise LimitExceededError("prompt ids are longer than the encoder window",
+                                         field=f"{field}.{name}", expected=f"<= {window}",
+                                         actual=len(seq))
+        return ids
+
+
+class Codec(ABC):
+    """Latent state <-> named latent artifacts, condition media, decoding."""
+
+    @abstractmethod
+    def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
+        """Per-row sampler state shape; a size the model cannot produce -> typed error."""
+
+    @abstractmethod
+    def split_state(self, state: torch.Tensor, sampling: SamplingSpec) -> dict[str, torch.Tensor]:
+        """Sampler state (B, *S) -> named latent artifacts (model-native layout)."""
+
+    @abstractmethod
+    def join_state(self, latents: Mapping[str, torch.Tensor],
+                   sampling: SamplingSpec) -> torch.Tensor:
+        """Named latent artifacts -> the sampler state (the inverse of split_state)."""
+
+    @abstractmethod
+    def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
+               sampling: SamplingSpec) -> torch.Tensor:
+        """Decode one latent artifact of a request sampled with `sampling` with its decoder
+        components (uint8 pixels / float audio)."""
+
+    def encode_media(self, modules: Mapping[str, nn.Module], sampling: SamplingSpec,
+                     media: Mapping[MediaRole, torch.Tensor]) -> MediaCondition:
+        """Everything per request the forward needs besides the prompt: decoded condition
+        media -> frozen state entries / model inputs, plus inputs fixed by the sampling size
+        (FLUX's image position ids). Called for every request, with or without media;
+        families without conditions take none."""
+        if media:
+            raise InvalidRequestError("this family takes no condition media", field="media",
+                                      expected=[], actual=sorted(r.value for r in media))
+        return NO_MEDIA
+
+
+class ModelFamily(ABC):
+    """One model family bound to one checkpoint folder. Construction reads JSON configs only."""
+
+    spec: FamilySpec
+    conditioner: Conditioner
+    denoiser: "object"             # diffusion.step.Denoiser
+    codec: Codec
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # ---- declarations ---------------------------------------------------------------------
+    @abstractmethod
+    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
+        """(num_steps + 1,) fp32 sigma table, 1 -> 0, as the family's pipeline schedules it."""
+
+    def schedule_shift(self, sampling: SamplingSpec) -> float:
+        """The static shift s (sigma' = s sigma / (1 + (s - 1) sigma)) the family's schedule
+        applies at this sampling's size, for training-time noise levels (DPO's logit-normal
+        table). A resolution-dependent exponential shift with mu is the static shift e^mu."""
+        return 1.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def io_spec(self) -> IOSpec:
+        return self.spec.io_spec
+
+    # ---- components -----------------------------------------------------------------------
+    def load(self, component: str, dtype: str | torch.dtype = torch.float32,
+             device: str | torch.device = "cpu"):
+        """One component (module, tokenizer or scheduler) from the checkpoint."""
+        return load_component(self.root, component, resolve_dtype(dtype, device), device)
+
+    def load_many(self, components: Sequence[str], dtype: str | torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> dict[str, nn.Module]:
+        return {c: self.load(c, dtype, device) for c in components}
+
+    def load_transformers(self, dtype=torch.float32, device="cpu") -> dict[str, nn.Module]:
+        return self.load_many(self.spec.transformers, dtype, device)
+
+    def load_encoders(self, dtype=torch.float32, device="cpu") -> dict[str, nn.Module]:
+        """Text encoders keyed by encoder name (not component), as the conditioner reads them."""
+        return {e.name: self.load(e.component, dtype, device) for e in self.spec.encoders}
+
+    def load_decoder(self, latent_name: str, dtype=torch.float32,
+                     device="cpu") -> dict[str, nn.Module]:
+        if latent_name not in self.spec.decoders:
+            raise InvalidRequestError("the family has no decoder for this latent",
+                                      field="latent_name", expected=sorted(self.spec.decoders),
+                                      actual=latent_name)
+        return self.load_many(self.spec.decoders[latent_name], dtype, device)
+
+    def load_media_encoders(self, dtype=torch.float32, device="cpu") -> dict[str, nn.Module]:
+        return self.load_many(self.spec.media_encoders, dtype, device)
+
+    # ---- request checks (the ingress and the rollout stage share these) ---------------------
+    def validate_request(self, request: RolloutRequest,
+                         limits: RequestLimits) -> dict[MediaRole, torch.Tensor]:
+        """Every contract check of `request` against this family, before any work: limits,
+        task, exactly the task's media roles, guidance, sizes it can generate, ids per
+        encoder. Returns the canonical condition media."""
+        rid = request.request_id
+        check_limits(request, limits)
+        if request.task not in self.spec.tasks:
+            raise InvalidRequestError(f"{self.name} does not serve this task", field="task",
+                                      expected=[t.value for t in self.spec.tasks],
+                                      actual=request.task.value, request_id=rid)
+        media = normalize_media(request.media, request.task, rid)
+        required = set(self.spec.tasks[request.task])
+        if set(media) != required:
+            raise InvalidRequestError(f"task {request.task.value} takes exactly the media roles "
+                                      f"{sorted(r.value for r in required)}", field="media",
+                                      expected=sorted(r.value for r in required),
+                                      actual=sorted(r.value for r in media), request_id=rid)
+        try:
+            doubles_rows(self.spec.guidance, request.sampling.guidance_scale)
+            self.codec.state_shape(request.sampling)
+            self.conditioner.check_ids(request.prompt)
+            if request.prompt.negative is not None:
+                self.conditioner.check_ids(request.prompt.negative, "prompt.negative")
+        except InvalidRequestError as exc:
+            if exc.request_id is None:
+                exc.request_id = rid
+            raise
+        return {role: item.data for role, item in media.items()}

@@ -1,0 +1,187 @@
+"""FLUX.1 from a local diffusers checkpoint (FluxPipeline layout).
+
+Components: transformer (FluxTransformer2DModel), vae (AutoencoderKL), text_encoder
+(CLIPTextModel: pooled output only), text_encoder_2 (T5EncoderModel), tokenizer(_2), scheduler
+(FlowMatchEulerDiscreteScheduler with use_dynamic_shifting).
+
+As FluxPipeline (diffusers 0.42.1, pipeline_flux.py):
+  state        packed latents (B, (H/16)(W/16), 4 C): 2x2 latent patches as tokens (the
+               model-native layout `output_type="latent"` returns)
+  sigmas       linspace(1, 1/N, N) through the scheduler with mu = calculate_shift(seq length)
+  model time   timestep = 1000 sigma, the transformer gets timestep / 1000
+  guidance     FLUX.1-dev is guidance-distilled: the scale is a model input (EMBEDDED), one
+               forward per row, no negative prompt; a checkpoint without guidance embeddings
+               (schnell) takes no guidance at all (NONE)
+  ids          txt_ids zeros (L, 3); img_ids [0, row, col] of the packed grid
+CLIP truncates to 77 tokens as the pipeline does (recorded); T5 rejects prompts longer than
+`max_sequence_length`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from adapters.checkpoint import read_json, read_model_index
+from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
+                                      TokenizingConditioner, clip_pooled, t5_hidden,
+                                      tokenizer_max_length)
+from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
+                             Overflow, parse_options)
+from adapters.sd3 import image_io_spec
+from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
+                      PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
+                      TimeConvention)
+
+FLUX_LORA_TARGETS = (
+    # double-stream blocks (transformer_blocks.*): image and text streams
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    # single-stream blocks (single_transformer_blocks.*)
+    "proj_mlp", "proj_out")
+
+
+class FluxOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sequence_length: int = Field(512, ge=1, le=512, description="T5 window.")
+
+
+class FluxConditioner(TokenizingConditioner):
+    def encode(self, encoders: Mapping[str, nn.Module],
+               prompts: list[PromptBundle]) -> Condition:
+        with torch.no_grad():
+            pooled = clip_pooled(encoders["clip"], self.padded("clip", prompts))    # (P, 768)
+            embeds = t5_hidden(encoders["t5"], self.padded("t5", prompts))          # (P, L, D)
+        return Condition({"prompt_embeds": embeds, "pooled": pooled.to(embeds.dtype)})
+
+
+class FluxDenoiser:
+    time_convention = TimeConvention.NOISE_LEVEL
+    model_time_scale = 1000.0       # the pipeline's timestep; the transformer gets it / 1000
+
+    def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
+        embeds = cond["prompt_embeds"]
+        text_ids = torch.zeros(embeds.shape[1], 3, device=embeds.device, dtype=embeds.dtype)
+        return models["transformer"](
+            hidden_states=state, timestep=model_time.to(state.dtype) / 1000,
+            guidance=guidance, pooled_projections=cond["pooled"], encoder_hidden_states=embeds,
+            txt_ids=text_ids, img_ids=media["img_ids"][0], return_dict=False)[0]
+
+
+def latent_image_ids(rows: int, cols: int) -> torch.Tensor:
+    """(rows * cols, 3): [0, row, col] per packed token (the pipeline's image position ids)."""
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(rows)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 3)
+
+
+class FluxCodec(Codec):
+    def __init__(self, vae: ImageVAE, in_channels: int):
+        self.vae, self.in_channels = vae, in_channels        # in_channels = 4 * latent channels
+
+    def grid(self, sampling: SamplingSpec) -> tuple[int, int]:
+        f = self.vae.scale_factor
+        self.vae.check_size(sampling.height, sampling.width, 2 * f, "FLUX")
+        if sampling.num_frames != 1:
+            raise InvalidRequestError("FLUX generates single images",
+                                      field="sampling.num_frames", expected=1,
+                                      actual=sampling.num_frames)
+        return sampling.height // (2 * f), sampling.width // (2 * f)
+
+    def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
+        rows, cols = self.grid(sampling)
+        return (rows * cols, self.in_channels)
+
+    def split_state(self, state, sampling):
+        return {"image_latent": state}
+
+    def join_state(self, latents, sampling):
+        return latents["image_latent"].float()
+
+    def unpack(self, tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """(B, rows*cols, 4C) packed tokens -> (B, C, 2 rows, 2 cols) latents."""
+        b, _, channels = tokens.shape
+        x = tokens.view(b, rows, cols, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, channels // 4, 2 * rows, 2 * cols)
+
+    def encode_media(self, modules, sampling, media) -> MediaCondition:
+        if media:
+            raise InvalidRequestError("FLUX.1 text-to-image takes no condition media",
+                                      field="media", expected=[],
+                                      actual=sorted(r.value for r in media))
+        rows, cols = self.grid(sampling)
+        return MediaCondition(inputs={"img_ids": latent_image_ids(rows, cols)[None]},
+                              key=(rows, cols))
+
+    def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
+               sampling: SamplingSpec):
+        if latent_name != "image_latent":
+            raise InvalidRequestError("FLUX decodes the packed 'image_latent' (B, L, 4C)",
+                                      field="latent_name", expected="image_latent",
+                                      actual=latent_name)
+        rows, cols = self.grid(sampling)
+        if tuple(latent.shape[1:]) != (rows * cols, self.in_channels):
+            raise InvalidRequestError("the packed latent does not match the sampling size",
+                                      field=f"artifacts.{latent_name}",
+                                      expected=(rows * cols, self.in_channels),
+                                      actual=tuple(latent.shape[1:]))
+        return self.vae.decode(modules["vae"], self.unpack(latent.float(), rows, cols))
+
+
+class FluxFamily(ModelFamily):
+    """FluxPipeline checkpoints (FLUX.1-dev with guidance embeddings, FLUX.1-schnell without)."""
+
+    pipeline_class = "FluxPipeline"
+
+    def __init__(self, root: str | Path, options: Mapping | None = None):
+        super().__init__(root)
+        index = read_model_index(self.root)
+        if index["_class_name"] != self.pipeline_class:
+            raise ConfigError("the checkpoint is not a FluxPipeline", field="weights_path",
+                              expected=self.pipeline_class, actual=index["_class_name"])
+        self.options = parse_options(FluxOptions, options, "flux")
+        transformer = read_json(self.root, "transformer", "config.json")
+        self.schedule = FlowSchedule(self.root)
+        vae = ImageVAE(self.root)
+        encoders = (EncoderSpec("clip", "text_encoder", "tokenizer",
+                                tokenizer_max_length(self.root, "tokenizer"), Overflow.TRUNCATE,
+                                CLIP_ETP_PLAN),
+                    EncoderSpec("t5", "text_encoder_2", "tokenizer_2",
+                                self.options.max_sequence_length, Overflow.REJECT, T5_ETP_PLAN))
+        guidance = GuidanceKind.EMBEDDED if transformer.get("guidance_embeds") else \
+            GuidanceKind.NONE
+        side = 128 * vae.scale_factor       # FLUX.1's native 1024 px
+        self.spec = FamilySpec(
+            name="flux", io_spec=image_io_spec(Layout.TOKENS), tasks={Task.T2I: ()},
+            time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
+            guidance=guidance, transformers=("transformer",),
+            lora_targets={"transformer": FLUX_LORA_TARGETS}, encoders=encoders,
+            decoders={"image_latent": ("vae",)},
+            sampling_defaults={"height": side, "width": side, "num_frames": 1})
+        self.conditioner = FluxConditioner(self.spec, self.root)
+        self.denoiser = FluxDenoiser()
+        self.codec = FluxCodec(vae, int(transformer["in_channels"]))
+
+    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
+        n = sampling.num_steps
+        custom = None if self.schedule.config.get("use_flow_sigmas") else \
+            np.linspace(1.0, 1 / n, n)
+        return self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
+
+    def schedule_shift(self, sampling: SamplingSpec) -> float:
+        return self.schedule.static_shift(self.codec.state_shape(sampling)[0])
+
+    def validate_request(self, request: RolloutRequest, limits: RequestLimits):
+        if request.prompt.negative is not None:
+            raise InvalidRequestError("FLUX.1 is guidance-distilled: it takes no negative "
+                                      "prompt", field="prompt.negative", expected=None,
+                                      actual="a negative prompt",
+                                      request_id=request.request_id)
+        return super().validate_request(request, limits)

@@ -1,0 +1,168 @@
+"""Stable Diffusion 3 / 3.5 from a local diffusers checkpoint (StableDiffusion3Pipeline layout).
+
+Components: transformer (SD3Transformer2DModel), vae (AutoencoderKL), text_encoder /
+text_encoder_2 (CLIPTextModelWithProjection, CLIP-L and CLIP-G), text_encoder_3 (T5EncoderModel,
+optional: a checkpoint without it conditions on zeros, as the pipeline does), tokenizer(_2, _3),
+scheduler (FlowMatchEulerDiscreteScheduler, static shift 3.0 for SD3.5).
+
+As StableDiffusion3Pipeline (diffusers 0.42.1, pipeline_stable_diffusion_3.py):
+  prompt_embeds = cat_seq(pad_dim(cat_dim(CLIP-L h[-2], CLIP-G h[-2]), T5 dim), T5 states)
+  pooled        = cat_dim(CLIP-L pooled, CLIP-G pooled)
+  model time    = 1000 sigma (NOISE_LEVEL), true CFG ([uncond; cond] rows), negative prompt or
+                  the empty prompt as the unconditional branch; latents (B, C, H/8, W/8) in the
+                  VAE's scaled space (output_type="latent").
+CLIP windows truncate to 77 tokens as the pipeline does (recorded in PromptBundle.truncated);
+T5 rejects prompts longer than `max_sequence_length` (the pipeline would cut them silently).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn import functional as F
+
+from adapters.checkpoint import read_json, read_model_index
+from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
+                                      TokenizingConditioner, clip_hidden_and_pooled, t5_hidden,
+                                      tokenizer_max_length)
+from adapters.family import (Codec, EncoderSpec, FamilySpec, ModelFamily, Overflow,
+                             parse_options)
+from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+                      IOSpec, Layout, Modality, PromptBundle, Representation, SamplingSpec, Task,
+                      TimeConvention)
+
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+
+
+class SD3Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sequence_length: int = Field(256, ge=1, le=512, description="T5 window (the "
+                                     "pipeline's max_sequence_length).")
+
+
+class SD3Conditioner(TokenizingConditioner):
+    def __init__(self, spec: FamilySpec, root: Path, joint_attention_dim: int, t5_window: int):
+        super().__init__(spec, root)
+        self.joint_attention_dim, self.t5_window = joint_attention_dim, t5_window
+
+    def encode(self, encoders: Mapping[str, nn.Module],
+               prompts: list[PromptBundle]) -> Condition:
+        with torch.no_grad():
+            h_l, pooled_l = clip_hidden_and_pooled(encoders["clip_l"],
+                                                   self.padded("clip_l", prompts))
+            h_g, pooled_g = clip_hidden_and_pooled(encoders["clip_g"],
+                                                   self.padded("clip_g", prompts))
+            clip = torch.cat([h_l, h_g], dim=-1)                           # (P, 77, Dl + Dg)
+            if "t5" in self.spec.encoder_names:
+                t5 = t5_hidden(encoders["t5"], self.padded("t5", prompts)).to(clip.dtype)
+            else:                       # no T5 in the checkpoint: zeros, as the pipeline
+                t5 = torch.zeros(len(prompts), self.t5_window, self.joint_attention_dim,
+                                 dtype=clip.dtype, device=clip.device)
+            clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+            embeds = torch.cat([clip, t5], dim=-2)                         # (P, 77 + L5, D)
+            pooled = torch.cat([pooled_l, pooled_g], dim=-1)               # (P, Pl + Pg)
+        return Condition({"prompt_embeds": embeds, "pooled": pooled})
+
+
+class SD3Denoiser:
+    time_convention = TimeConvention.NOISE_LEVEL
+    model_time_scale = 1000.0
+
+    def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
+        if media:
+            raise InvalidRequestError("SD3 takes no media inputs", field="media", expected=[],
+                                      actual=sorted(media))
+        return models["transformer"](hidden_states=state, timestep=model_time,
+                                     encoder_hidden_states=cond["prompt_embeds"],
+                                     pooled_projections=cond["pooled"], return_dict=False)[0]
+
+
+class SD3Codec(Codec):
+    def __init__(self, vae: ImageVAE, channels: int, patch_size: int):
+        self.vae, self.channels, self.patch_size = vae, channels, patch_size
+
+    def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
+        f = self.vae.scale_factor
+        self.vae.check_size(sampling.height, sampling.width, f * self.patch_size, "SD3")
+        if sampling.num_frames != 1:
+            raise InvalidRequestError("SD3 generates single images", field="sampling.num_frames",
+                                      expected=1, actual=sampling.num_frames)
+        return (self.channels, sampling.height // f, sampling.width // f)
+
+    def split_state(self, state, sampling):
+        return {"image_latent": state}
+
+    def join_state(self, latents, sampling):
+        return latents["image_latent"].float()
+
+    def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
+               sampling: SamplingSpec):
+        if latent_name != "image_latent":
+            raise InvalidRequestError("SD3 decodes 'image_latent' only", field="latent_name",
+                                      expected="image_latent", actual=latent_name)
+        return self.vae.decode(modules["vae"], latent)
+
+
+def image_io_spec(layout: Layout) -> IOSpec:
+    return IOSpec(artifacts=(
+        ArtifactSpec("image_latent", Modality.IMAGE, Representation.LATENT, layout),
+        ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
+                     source="image_latent")), defaults=("image_latent", "image"))
+
+
+class SD3Family(ModelFamily):
+    """StableDiffusion3Pipeline checkpoints (SD3-medium, SD3.5-medium / large / turbo)."""
+
+    pipeline_class = "StableDiffusion3Pipeline"
+
+    def __init__(self, root: str | Path, options: Mapping | None = None):
+        super().__init__(root)
+        index = read_model_index(self.root)
+        if index["_class_name"] != self.pipeline_class:
+            raise ConfigError("the checkpoint is not a StableDiffusion3Pipeline",
+                              field="weights_path", expected=self.pipeline_class,
+                              actual=index["_class_name"])
+        self.options = parse_options(SD3Options, options, "sd3")
+        transformer = read_json(self.root, "transformer", "config.json")
+        self.schedule = FlowSchedule(self.root)
+        vae = ImageVAE(self.root)
+        clip_len = tokenizer_max_length(self.root, "tokenizer")
+        encoders = [EncoderSpec("clip_l", "text_encoder", "tokenizer", clip_len,
+                                Overflow.TRUNCATE, CLIP_ETP_PLAN),
+                    EncoderSpec("clip_g", "text_encoder_2", "tokenizer_2",
+                                tokenizer_max_length(self.root, "tokenizer_2"),
+                                Overflow.TRUNCATE, CLIP_ETP_PLAN)]
+        if index.get("text_encoder_3") and index["text_encoder_3"][0] is not None:
+            encoders.append(EncoderSpec("t5", "text_encoder_3", "tokenizer_3",
+                                        self.options.max_sequence_length, Overflow.REJECT,
+                                        T5_ETP_PLAN))
+        side = int(transformer.get("sample_size", 128)) * vae.scale_factor
+        self.spec = FamilySpec(
+            name="sd3", io_spec=image_io_spec(Layout.LATENT_CHW), tasks={Task.T2I: ()},
+            time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
+            guidance=GuidanceKind.CFG, transformers=("transformer",),
+            lora_targets={"transformer": SD3_LORA_TARGETS}, encoders=tuple(encoders),
+            decoders={"image_latent": ("vae",)},
+            sampling_defaults={"height": side, "width": side, "num_frames": 1})
+        self.conditioner = SD3Conditioner(self.spec, self.root,
+                                          int(transformer["joint_attention_dim"]),
+                                          self.options.max_sequence_length)
+        self.denoiser = SD3Denoiser()
+        self.patch_size = int(transformer.get("patch_size", 2))
+        self.codec = SD3Codec(vae, int(transformer["in_channels"]), self.patch_size)
+
+    def _seq_len(self, sampling: SamplingSpec) -> int:
+        _, h, w = self.codec.state_shape(sampling)
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
+        return self.schedule.sigmas(sampling.num_steps, self._seq_len(sampling))
+
+    def schedule_shift(self, sampling: SamplingSpec) -> float:
+        return self.schedule.static_shift(self._seq_len(sampling))
