@@ -69,6 +69,16 @@ _CONFIGURED = {   # kind -> (module, scorer class, its pydantic config class)
 }
 
 
+def validate_spec(spec: ScorerSpec) -> BaseModel | None:
+    """The scorer's config validated without building it (no weights loaded): the check a
+    config for another machine gets here. None for the verifiers, which take plain kwargs."""
+    if spec.kind not in _CONFIGURED:
+        return None
+    module_name, _, cfg_name = _CONFIGURED[spec.kind]
+    return _validate(getattr(importlib.import_module(module_name), cfg_name), spec.params,
+                     spec.kind)
+
+
 def _build(kind: ScorerKind, params: dict[str, Any]) -> Scorer:
     if kind in _CONFIGURED:
         module_name, cls_name, cfg_name = _CONFIGURED[kind]
