@@ -36,7 +36,7 @@ def materialize(result: GraphResult) -> RolloutOutput:
                          trajectory=trajectory, policy_version=result.policy_version,
                          seeds=result.seeds, stop_reason=result.stop_reason,
                          rewards=result.rewards, metrics=dict(result.metrics),
-                         metadata=({"encoded_token_ids": tuple(result.encoded_token_ids)}
+                         metadata=({"encoded_token_ids": dict(result.encoded_token_ids)}
                                    if result.encoded_token_ids is not None else {}))
 
 
