@@ -1,0 +1,212 @@
+"""The conformance checks every diffusers-checkpoint family passes, against diffusers itself.
+
+A family's test module subclasses `FamilyConformance`, names the family, its tiny checkpoint
+and pipeline, and how a pipeline call is spelled; the mixin then checks, on the real embedded
+engine (the production path):
+  - the sigma table equals the pipeline scheduler's at several sizes,
+  - ODE latents equal the pipeline's `output_type="latent"` from the same initial latents
+    (fp32, <= 1e-4), guided as the family guides, and the decoded media within 1 level,
+  - token ids are the tokenizers' own and reach the encoders unchanged,
+  - each stage loads only its components (parameter bytes per stage),
+  - bad input (sizes the VAE / patch cannot produce, a path that is not a checkpoint, a missing
+    subfolder, another pipeline's checkpoint, a dtype the device cannot run) raises typed
+    errors naming the field.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from adapters.checkpoint import load_component
+from adapters.registry import get_family
+from contract import (ConfigError, InvalidRequestError, RequestLimits, RolloutRequest,
+                      SamplerKind, SamplingSpec, Task)
+from diffusion.noise import initial_noise
+from diffusion.step import doubles_rows
+from rollout.engine import EmbeddedEngine
+from rollout.engine_api import EngineRequest
+
+PROMPTS = ("a red circle on a wooden table", "two blue squares under a green sky")
+NEGATIVE = "blurry, low quality"
+
+
+def param_bytes(modules) -> int:
+    seen = {}
+    for module in modules:
+        for p in module.parameters():
+            seen[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class FamilyConformance:
+    family: str                       # registry name
+    checkpoint: str                   # tiny checkpoint family (scripts/tiny_checkpoints.py)
+    options: dict[str, Any] = {}
+    size: dict[str, int] = {}         # height / width (/ num_frames) of the sized call
+    other_sizes: tuple[dict[str, int], ...] = ()
+    bad_size: dict[str, int] = {}     # a size the VAE / patch cannot produce
+    guidance_scale: float = 1.0
+    negative: bool = False            # the family takes a negative prompt
+    steps: int = 4
+
+    # ---- per family -------------------------------------------------------------------------
+    def pipeline(self, root: Path):
+        raise NotImplementedError
+
+    def pipeline_call(self, pipe, x0: torch.Tensor, output_type: str) -> Any:
+        raise NotImplementedError
+
+    def decoded_from_pipeline(self, result) -> torch.Tensor:
+        """uint8 decoded media from the pipeline's `output_type="np"` result."""
+        images = torch.from_numpy((result.images * 255).round().astype("uint8"))
+        return images.permute(0, 3, 1, 2)
+
+    # ---- fixtures -----------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def root(self, tiny_checkpoint) -> Path:
+        return tiny_checkpoint(self.checkpoint)
+
+    @pytest.fixture(scope="class")
+    def fam(self, root):
+        return get_family("auto", root, self.options)
+
+    @pytest.fixture(scope="class")
+    def encoders(self, fam):
+        return fam.load_encoders()
+
+    @pytest.fixture(scope="class")
+    def engine(self, fam):
+        engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
+        yield engine
+        asyncio.run(engine.shutdown())
+
+    def sampling(self, seeds=(0, 1), **size) -> SamplingSpec:
+        return SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, num_steps=self.steps,
+                            seeds=tuple(seeds), guidance_scale=self.guidance_scale,
+                            **(size or self.size))
+
+    def engine_latents(self, fam, engine, encoders, prompt: str, sampling: SamplingSpec):
+        conditioner = fam.conditioner
+        negatives = [NEGATIVE] if self.negative else None
+        bundle = conditioner.tokenize([prompt], negatives)[0]
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.T2I)
+        media = fam.validate_request(request, RequestLimits())
+        cond = conditioner.encode(encoders, [bundle])
+        negative = None
+        if doubles_rows(fam.spec.guidance, sampling.guidance_scale):
+            negative = conditioner.encode(encoders, [conditioner.unconditional(bundle)])
+        latents = fam.io_spec.latent_needed(fam.io_spec.defaults)
+        result = engine.submit(EngineRequest(request, cond, negative, latents, media,
+                                             "base")).result(timeout=300)
+        return {name: a.data for name, a in result.latents.items()}
+
+    # ---- checks -------------------------------------------------------------------------------
+    def test_sigmas_equal_the_pipeline_scheduler(self, fam, root):
+        pipe_scheduler = load_component(root, "scheduler")
+        for size in (self.size, *self.other_sizes):
+            for steps in (1, 4, 10):
+                sampling = SamplingSpec(num_steps=steps, seeds=(0,), **size)
+                ours = fam.sigmas(sampling)
+                theirs = self.pipeline_sigmas(fam, pipe_scheduler, sampling)
+                assert torch.equal(ours, theirs), (size, steps, ours, theirs)
+
+    def pipeline_sigmas(self, fam, scheduler, sampling) -> torch.Tensor:
+        scheduler.set_timesteps(sampling.num_steps)
+        return scheduler.sigmas.float()
+
+    def test_ode_latents_and_media_equal_the_pipeline(self, fam, root, engine, encoders):
+        pipe = self.pipeline(root)
+        sampling = self.sampling()
+        ours = self.engine_latents(fam, engine, encoders, PROMPTS[0], sampling)
+        x0 = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))
+        theirs = self.pipeline_call(pipe, x0.clone(), "latent")
+        for name, value in self.latents_of(theirs).items():
+            diff = float((ours[name] - value).abs().max())
+            assert diff <= 1e-4 and float(value.abs().mean()) > 0.1, (name, diff)
+        decoded = self.decode_all(fam, ours, sampling)
+        reference = self.decoded_from_pipeline(self.pipeline_call(pipe, x0.clone(), "np"))
+        assert decoded.dtype == torch.uint8 and decoded.shape == reference.shape
+        assert int((decoded.int() - reference.int()).abs().max()) <= 1
+
+    def latents_of(self, result) -> dict[str, torch.Tensor]:
+        return {"image_latent": result.images}
+
+    def decode_all(self, fam, latents, sampling) -> torch.Tensor:
+        return fam.codec.decode("image_latent", fam.load_decoder("image_latent"),
+                                latents["image_latent"], sampling)
+
+    def test_token_ids_are_the_tokenizers_and_reach_the_encoders(self, fam, encoders):
+        conditioner = fam.conditioner
+        bundle = conditioner.tokenize([PROMPTS[1]])[0]
+        ids = bundle.ids_by_encoder(fam.spec.encoder_names)
+        seen = {}
+
+        def record(name):
+            def hook(module, args, kwargs):
+                seen.setdefault(name, (args[0] if args else kwargs["input_ids"]).clone())
+            return hook
+        hooks = [module.register_forward_pre_hook(record(name), with_kwargs=True)
+                 for name, module in encoders.items()]
+        try:
+            cond = conditioner.encode(encoders, [bundle])
+        finally:
+            for h in hooks:
+                h.remove()
+        for spec in fam.spec.encoders:
+            tok = conditioner.tokenizer(spec)
+            assert list(ids[spec.name]) == tok(PROMPTS[1])["input_ids"]
+            row = seen[spec.name][0].tolist()
+            assert row[:len(ids[spec.name])] == list(ids[spec.name])
+            assert set(row[len(ids[spec.name]):]) <= {tok.pad_token_id}
+            assert len(row) == spec.max_length
+        assert all(t.shape[0] == 1 for t in cond.tensors.values())
+
+    def test_each_stage_loads_only_its_components(self, fam):
+        encoders = fam.load_encoders()
+        transformers = fam.load_transformers()
+        decoders = {latent: fam.load_decoder(latent) for latent in fam.spec.decoders}
+        everything = [*encoders.values(), *transformers.values(),
+                      *(m for d in decoders.values() for m in d.values())]
+        total = param_bytes(everything)
+        enc, dit = param_bytes(encoders.values()), param_bytes(transformers.values())
+        dec = {k: param_bytes(v.values()) for k, v in decoders.items()}
+        assert enc + dit + sum(dec.values()) == total      # nothing shared, nothing twice
+        strategy_models = fam.load_transformers()
+        assert param_bytes(strategy_models.values()) == dit
+        for latent in fam.spec.decoders:   # a decoder holds its VAE (vocoder) only
+            assert set(fam.load_decoder(latent)) == set(fam.spec.decoders[latent])
+            assert not set(fam.spec.decoders[latent]) & set(fam.spec.transformers)
+            assert not set(fam.spec.decoders[latent]) & {e.component for e in fam.spec.encoders}
+
+    def test_bad_sizes_paths_and_dtypes_are_typed_errors(self, fam, root, tmp_path):
+        with pytest.raises(InvalidRequestError) as err:
+            fam.codec.state_shape(SamplingSpec(seeds=(0,), **self.bad_size))
+        assert err.value.field.startswith("sampling.")
+        with pytest.raises(ConfigError) as err:
+            get_family(self.family, tmp_path / "nothing_here")
+        assert err.value.field == "weights_path"
+        broken = tmp_path / "broken"
+        shutil.copytree(root, broken)
+        shutil.rmtree(broken / "vae")
+        with pytest.raises(ConfigError) as err:
+            get_family(self.family, broken).load_decoder("image_latent")
+        assert "vae" in str(err.value)
+        index = json.loads((root / "model_index.json").read_text())
+        other = tmp_path / "other"
+        shutil.copytree(root, other)
+        (other / "model_index.json").write_text(json.dumps(index | {"_class_name": "NoPipe"}))
+        with pytest.raises(ConfigError) as err:
+            get_family("auto", other)
+        assert err.value.field == "weights_path" and err.value.actual == "NoPipe"
+        with pytest.raises(ConfigError) as err:
+            fam.load(fam.spec.transformers[0], "float16", "cpu")
+        assert err.value.field == "dtype"
+        with pytest.raises(ConfigError) as err:
+            get_family(self.family, root, {"no_such_option": 1})
+        assert err.value.field == "rollout.adapter_options.no_such_option"
