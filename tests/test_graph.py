@@ -327,19 +327,19 @@ def test_replica_over_its_memory_bound_is_the_only_one_replaced(graph, ray_clust
     controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
     system = ray.get([pid_of(controller), pid_of(store)])
     graph_pids = replica_pids(APP)
-    options = StageOptions(memory_mib=256).deployment_options("MemoryHog")
+    options = StageOptions(memory_mib=512).deployment_options("MemoryHog")  # ~350 MiB at start
     hog = serve.run(serve.deployment(MemoryHog, **options).bind(), name="oom_hog",
                     route_prefix=None)
     try:
-        pid, limit = hog.info.remote().result()
-        assert limit == 256 * 2**20                          # the declared bound, from Ray
-        with pytest.raises(Exception) as died:               # 512 MiB asked, 256 allowed
+        pid, limit, used = hog.info.remote().result()
+        assert limit == 512 * 2**20 and used < limit         # the declared bound, from Ray
+        with pytest.raises(Exception) as died:               # asks 512 MiB more: stopped at 512
             hog.grow.remote(512).result(timeout_s=120)
         assert "died" in str(died.value).lower() or "unavailable" in str(died.value).lower()
         deadline, new_pid = time.time() + 120, pid
         while time.time() < deadline:                        # Serve starts a new replica
             try:
-                new_pid, _ = hog.info.remote().result(timeout_s=10)
+                new_pid, _, _ = hog.info.remote().result(timeout_s=10)
                 if new_pid != pid:
                     break
             except Exception:  # noqa: BLE001 -- the replacement is still starting
