@@ -60,6 +60,8 @@ class Learner:
         torch.manual_seed(seed)
         for name, model in self.models.items():
             attach_lora(model, LoRATargetMap.identity(family.spec.lora_targets[name]), lora)
+        if lora.init_from is not None:
+            self.load_initial(lora)
         self.params = [p for m in self.models.values() for p in trainable_parameters(m)]
         self.max_grad_norm = optimizer.max_grad_norm
         self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=optimizer.betas,
@@ -71,6 +73,19 @@ class Learner:
         """The learner's components from the checkpoint: transformer(s) + text encoders."""
         return cls(family, family.load_transformers(), family.load_encoders(), lora, optimizer,
                    seed, family.load_media_encoders())
+
+    def load_initial(self, lora: LoRATrainConfig) -> None:
+        """A user's diffusers LoRA file as the trained and the old adapter (the reference stays
+        the base model). Rank and scale must be the configured ones, every layer covered."""
+        from adapters.lora_files import load_diffusers_lora
+        tensors, scale = load_diffusers_lora(self.family, lora.init_from)
+        rank = {t.shape[0] for k, t in tensors.items() if ".lora_A." in k}.pop()
+        if rank != lora.rank or abs(scale - lora.alpha / lora.rank) > 1e-6:
+            raise ConfigError("the initial LoRA's rank / scale differ from the config",
+                              field="lora.rank", expected=(lora.rank, lora.alpha / lora.rank),
+                              actual=(rank, scale))
+        self.load_adapter(TRAIN_ADAPTER, tensors)
+        self.load_adapter(OLD_ADAPTER, tensors)
 
     @property
     def transformer(self) -> nn.Module:

@@ -46,6 +46,8 @@ class LoRATrainConfig(BaseModel):
     alpha: float = Field(64.0, gt=0, description="LoRA alpha; the update scale is alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
     init: LoRAInit = Field(LoRAInit.GAUSSIAN, description="init of lora_A; lora_B starts at 0")
+    init_from: str | None = Field(None, description="a diffusers LoRA file (or folder) as the "
+                                  "initial policy; its rank and alpha must equal rank / alpha")
 
 
 class PolicyRole(str, Enum):
