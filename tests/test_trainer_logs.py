@@ -19,6 +19,8 @@ def test_fresh_run_truncates_and_resume_appends(tmp_path):
 
 def test_wandb_offline_run_gets_config_metrics_and_captioned_media(tmp_path):
     """W&B in offline mode writes a local run (no network); a resumed run keeps its id."""
+    import time
+
     from PIL import Image
 
     from trainer.logs import WandbRun
@@ -32,6 +34,9 @@ def test_wandb_offline_run_gets_config_metrics_and_captioned_media(tmp_path):
     [run_dir] = list((tmp_path / "wandb").glob("offline-run-*"))
     run_id = (tmp_path / "wandb_id").read_text()
     [record] = list(run_dir.glob(f"run-{run_id}.wandb"))
+    deadline = time.time() + 60            # wandb-core may still be writing on a loaded machine
+    while b"reward_mean" not in record.read_bytes() and time.time() < deadline:
+        time.sleep(0.5)
     data = record.read_bytes()
     for needle in (b"reward_mean", b"0.625", b"beta", b"0.25", b"a red circle | total 0.625"):
         assert needle in data, needle
