@@ -81,7 +81,8 @@ def write_hf_clip_dir(path: str | Path, clip_cfg: dict[str, Any] | None = None,
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _clip_tokenizer(path)
     cfg = dict(clip_cfg or TINY_HF_CLIP)
-    text = dict(cfg.get("text_config", {}), vocab_size=len(tokenizer),
+    text_cfg = cfg.get("text_config", {})
+    text = dict(text_cfg, vocab_size=max(len(tokenizer), text_cfg.get("vocab_size", 0)),
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
     proj = cfg.get("projection_dim", 512)     # real snapshots repeat it in both sub-configs
