@@ -148,6 +148,16 @@ class FlowSchedule:
             scheduler.set_timesteps(num_steps, **kwargs)
         return scheduler.sigmas.to(torch.float32).cpu()
 
+    def scheduler_at(self, sigmas: torch.Tensor):
+        """A fresh scheduler whose table is exactly `sigmas` (N+1,), ready to `step`."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.config)
+        scheduler.sigmas = sigmas.clone()
+        scheduler.timesteps = sigmas[:-1] * scheduler.config.num_train_timesteps
+        scheduler.num_inference_steps = int(sigmas.shape[0]) - 1
+        scheduler._step_index, scheduler._begin_index = None, 0
+        return scheduler
+
     def static_shift(self, image_seq_len: int) -> float:
         """The static shift equal to this schedule's (exp(mu) for the exponential dynamic one)."""
         if self.dynamic:

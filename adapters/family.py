@@ -246,6 +246,11 @@ class ModelFamily(ABC):
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         """(num_steps + 1,) fp32 sigma table, 1 -> 0, as the family's pipeline schedules it."""
 
+    def pipeline_scheduler(self, sampling: SamplingSpec):
+        """The checkpoint's own diffusers scheduler set to this sampling's table (what its
+        pipeline steps with), or None for a family without one (the embedded tiny models)."""
+        return None
+
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         """The static shift s (sigma' = s sigma / (1 + (s - 1) sigma)) the family's schedule
         applies at this sampling's size, for training-time noise levels (DPO's logit-normal

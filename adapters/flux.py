@@ -175,6 +175,9 @@ class FluxFamily(ModelFamily):
             np.linspace(1.0, 1 / n, n)
         return self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
 
+    def pipeline_scheduler(self, sampling: SamplingSpec):
+        return self.schedule.scheduler_at(self.sigmas(sampling))
+
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self.codec.state_shape(sampling)[0])
 

@@ -164,5 +164,8 @@ class SD3Family(ModelFamily):
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         return self.schedule.sigmas(sampling.num_steps, self._seq_len(sampling))
 
+    def pipeline_scheduler(self, sampling: SamplingSpec):
+        return self.schedule.scheduler_at(self.sigmas(sampling))
+
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self._seq_len(sampling))

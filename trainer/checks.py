@@ -19,7 +19,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from contract import PromptBundle, RolloutOutput, SamplerKind, StartupCheckError, TimeConvention
+from contract import (GuidanceKind, PromptBundle, RolloutOutput, SamplerKind, StartupCheckError,
+                      TimeConvention)
 from diffusion.noise import initial_noise
 from diffusion.step import Guidance, denoise_step
 from trainer.algorithms import recompute_step
@@ -81,6 +82,51 @@ def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[
                 f"(cosine {cos_d:.3f}; the other convention gives {cos_o:.3f})",
                 field="adapter.time_convention", expected=f"cosine > {min_cos} and > other",
                 actual=declared.value)
+    return report
+
+
+@torch.no_grad()
+def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBundle],
+                                    sampling, seed: int = 0, atol: float = 1e-5
+                                    ) -> dict[str, float]:
+    """For a checkpoint family: every step of the project's denoising step (declared time
+    convention -> model time, velocity sign, Euler step) must equal the checkpoint's own
+    diffusers scheduler stepping the model's raw output at the pipeline's timestep. Valid for
+    any weights (a random checkpoint too); a flipped declaration fails it."""
+    family = learner.family
+    denoiser = family.denoiser
+    scheduler = family.pipeline_scheduler(sampling)
+    sigmas = family.sigmas(sampling)
+    rows = len(prompts)
+    cond = learner.encode(prompts)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen)
+    inputs = family.codec.encode_media({}, sampling, {}).inputs
+    media = {k: v.expand(rows, *v.shape[1:]) for k, v in inputs.items()} or None
+    guidance = learner.guidance(rows, 1.0, None)
+    worst_time = worst_step = 0.0
+    with learner.policy(PolicyRole.REFERENCE):
+        for i in range(sampling.num_steps):
+            sigma, sigma_next = sigmas[i].expand(rows), sigmas[i + 1].expand(rows)
+            ours = denoise_step(denoiser, learner.models, x, sigma, sigma_next, cond, guidance,
+                                SamplerKind.ODE, 0.0, media=media).prev_sample
+            t = scheduler.timesteps[i]
+            time = denoiser.model_time_scale * (sigma if denoiser.time_convention ==
+                                                TimeConvention.NOISE_LEVEL else 1 - sigma)
+            embedded = guidance.scale if guidance.kind is GuidanceKind.EMBEDDED else None
+            raw = denoiser.forward(learner.models, x, sigma, t.expand(rows), cond, media,
+                                   embedded)
+            theirs = scheduler.step(raw.float(), t, x, return_dict=False)[0]
+            worst_time = max(worst_time, float((time - t).abs().max()))
+            worst_step = max(worst_step, float((ours - theirs).abs().max()))
+            x = theirs
+    report = {"scheduler_time_max_diff": worst_time, "scheduler_step_max_diff": worst_step}
+    if worst_time > atol * denoiser.model_time_scale or worst_step > atol:
+        raise StartupCheckError(
+            "time convention: the declared convention does not step as the checkpoint's own "
+            f"scheduler does (time diff {worst_time:.3g}, step diff {worst_step:.3g})",
+            field="adapter.time_convention", expected=f"<= {atol}",
+            actual=TimeConvention(denoiser.time_convention).value)
     return report
 
 

@@ -10,6 +10,7 @@ refresh); FlowGRPO and DPO sample with the current adapter ("<run>/v<step>").
 """
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,8 +36,11 @@ from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, gener
                                set_generator_state)
 from trainer.updates import UPDATES, build_batch, canonical_media
 
-ROLLOUT_RETRIES = 3   # resubmissions of a batch whose outputs were lost (ReplicaFailedError)
-RETRY_BACKOFF_S = 2.0  # wait before resubmission k: k x this (Serve replaces a dead replica)
+# A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
+# a replica means a process start and a model load (minutes for a large model on a GPU node).
+ROLLOUT_RETRY_BUDGET_S = 600.0
+RETRY_BACKOFF_S = 2.0     # wait before resubmission k: min(k x this, RETRY_BACKOFF_MAX_S)
+RETRY_BACKOFF_MAX_S = 20.0
 
 
 @dataclass
@@ -136,18 +140,18 @@ class Trainer:
     def collect(self, pending: Pending) -> tuple[list[RolloutOutput], float]:
         """Outputs of a submitted batch; outputs lost to a retryable failure (a replica died:
         ReplicaFailedError; a stage or the policy store briefly unavailable:
-        StageUnavailableError) are resampled with the same requests (same seeds and version) up
-        to ROLLOUT_RETRIES times, with a growing wait between attempts, counted in
-        `rollout_retries`; a restarted policy store gets this run's versions back first."""
+        StageUnavailableError) are resampled with the same requests (same seeds and version)
+        until ROLLOUT_RETRY_BUDGET_S has passed, with a growing wait between attempts, counted
+        in `rollout_retries`; a restarted policy store gets this run's versions back first."""
         t0 = time.perf_counter()
-        for attempt in range(ROLLOUT_RETRIES + 1):
+        for attempt in itertools.count(1):
             try:
                 return self.client.collect(pending.response), time.perf_counter() - t0
             except RolloutError as exc:
-                if not exc.retryable or attempt == ROLLOUT_RETRIES:
+                if not exc.retryable or time.perf_counter() - t0 > ROLLOUT_RETRY_BUDGET_S:
                     raise
                 self.rollout_retries += 1
-                time.sleep(RETRY_BACKOFF_S * (attempt + 1))
+                time.sleep(min(RETRY_BACKOFF_S * attempt, RETRY_BACKOFF_MAX_S))
                 self.publisher.ensure_store()
                 pending.response = self.client.submit(pending.requests)
         raise AssertionError("unreachable")
@@ -205,11 +209,21 @@ class Trainer:
     def startup_checks(self) -> dict[str, float]:
         c, report = self.cfg.checks, {}
         if c.time_convention:
-            x0, prompts = probe_clean_latents(self.cfg.prompts, self.family)
-            report.update(checks.check_time_convention(self.learner, x0, prompts))
+            report.update(self.check_time_convention())
         if c.lora_map:
             report.update(self.check_lora_map())
         return report
+
+    def check_time_convention(self) -> dict[str, float]:
+        """Against the checkpoint's own scheduler where it has one (any weights), else on
+        clean latents of real media (the embedded models' trained weights)."""
+        prompts = self.eval_prompts[:2]
+        sampling = make_requests(self.family, prompts, self.cfg.sampler, 1, seed=0,
+                                 version=None, sampler=SamplerKind.ODE)[0].sampling
+        if self.family.pipeline_scheduler(sampling) is not None:
+            return checks.check_time_convention_scheduler(self.learner, prompts, sampling)
+        x0, probe = probe_clean_latents(self.cfg.prompts, self.family)
+        return checks.check_time_convention(self.learner, x0, probe)
 
     def check_lora_map(self, publish_transform=None) -> dict[str, float]:
         tensors, scale = checks.probe_lora(self.learner, seed=self.cfg.seed)
