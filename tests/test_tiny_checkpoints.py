@@ -135,6 +135,26 @@ def test_wan22_switches_experts_at_the_boundary(pipelines):
     assert calls == {"transformer": 2 * high, "transformer_2": 2 * (4 - high)}   # cond + uncond
 
 
+# The sigmas each pipeline sets at its sized call with 4 steps (docs/MODEL_FAMILIES.md): SD3 and
+# Wan shift a linspace between the already-shifted extremes again; FLUX and LTX-2 pass
+# linspace(1, 1/n, n) and a mu from the token count (LTX-2 then stretches to 0.1).
+PIPELINE_SIGMAS = {
+    "sd3": [1.0, 0.85769, 0.60215, 0.00893, 0.0],
+    "flux": [1.0, 0.82626, 0.61319, 0.34573, 0.0],
+    "wan21": [1.0, 0.93398, 0.78135, 0.04676, 0.0],
+    "wan22": [1.0, 0.85769, 0.60215, 0.00893, 0.0],
+    "ltx2": [1.0, 0.77498, 0.48569, 0.1, 0.0],
+}
+
+
+@pytest.mark.parametrize("family", sorted(PIPELINE_SIGMAS))
+def test_pipeline_sigmas_are_the_documented_ones(family, pipelines):
+    pipe = pipelines(family)
+    _sample(pipe, family, "latent", num_inference_steps=4)
+    torch.testing.assert_close(pipe.scheduler.sigmas, torch.tensor(PIPELINE_SIGMAS[family]),
+                               atol=1e-5, rtol=0)
+
+
 def test_ltx2_condition_pipelines_share_the_checkpoint(tiny_checkpoint, pipelines):
     from diffusers import LTX2ConditionPipeline, LTX2ImageToVideoPipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
