@@ -21,6 +21,8 @@ from contract.errors import InvalidRequestError, LimitExceededError, MalformedBo
 from contract.request import MAX_SEED, FrozenModel, RequestLimits
 
 MAX_NAME_CHARS = 128      # an artifact name or a policy version
+MAX_METADATA_KEYS = 16    # entries of one prompt's metadata object
+MAX_METADATA_CHARS = 1024  # characters of one metadata key or string value
 JSON_DEPTH_LIMIT = 200    # pydantic-core's JSON parser refuses deeper nesting (a valid body has 2)
 
 # HTTP field -> the RequestLimits bound it is checked against (value <= bound)
@@ -28,7 +30,10 @@ _VALUE_BOUNDS = {"samples_per_prompt": "max_samples_per_prompt", "num_steps": "m
                  "height": "max_height", "width": "max_width", "num_frames": "max_frames",
                  "guidance_scale": "max_guidance_scale"}
 _COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
-                 "artifacts": "max_artifacts"}
+                 "artifacts": "max_artifacts", "metadata": "max_prompts"}
+_MetaText = Annotated[str, StringConstraints(max_length=MAX_METADATA_CHARS)]
+_MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_CHARS)]
+PromptMetadata = dict[_MetaKey, _MetaText | int | float | bool]
 
 
 class HTTPRolloutRequest(FrozenModel):
@@ -55,10 +60,13 @@ class HTTPRolloutRequest(FrozenModel):
     artifacts: tuple[Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)],
                      ...] | None = Field(None, description="None = adapter defaults.")
     include_media: bool = Field(False, description="Return small decoded media as data URLs.")
-    policy_version: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
-
-    # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
-    @field_validator("prompts", "negative_prompts", "artifacts", mode="before")
+_COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
+                 "artifacts": "max_artifacts", "metadata": "max_prompts"}
+_MetaText = Annotated[str, StringConstraints(max_length=MAX_METADATA_CHARS)]
+_MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_CHARS)]
+PromptMetadata = dict[_MetaKey, _MetaText | int | float | bool]
+ from the validation context ({"limits": RequestLimits}) the ingress passes.
+    @field_validator("prompts", "negative_prompts", "artifacts", "metadata", mode="before")
     @classmethod
     def _check_count(cls, value: Any, info: ValidationInfo) -> Any:
         limits = _limits(info)
@@ -117,6 +125,23 @@ class HTTPRolloutRequest(FrozenModel):
             raise InvalidRequestError("one negative prompt per prompt", field="negative_prompts",
                                       expected=len(self.prompts),
                                       actual=len(self.negative_prompts))
+        return self
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _check_metadata_size(cls, value: Any) -> Any:
+        for i, entry in enumerate(value if isinstance(value, (list, tuple)) else ()):
+            if isinstance(entry, dict) and len(entry) > MAX_METADATA_KEYS:
+                raise LimitExceededError("prompt metadata has too many entries",
+                                         field=f"metadata[{i}]",
+                                         expected=f"<= {MAX_METADATA_KEYS}", actual=len(entry))
+        return value
+
+    @model_validator(mode="after")
+    def _check_metadata_count(self) -> "HTTPRolloutRequest":
+        if self.metadata is not None and len(self.metadata) != len(self.prompts):
+            raise InvalidRequestError("one metadata object per prompt", field="metadata",
+                                      expected=len(self.prompts), actual=len(self.metadata))
         return self
 
     @model_validator(mode="after")

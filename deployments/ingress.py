@@ -381,7 +381,9 @@ class RolloutGraph:
                 num_frames=payload.num_frames or defaults.get("num_frames", 1))
             out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
                                       requested_artifacts=payload.artifacts,
-                                      policy_version=payload.policy_version))
+                                      policy_version=payload.policy_version,
+                                      metadata=dict(payload.metadata[i]) if payload.metadata
+                                      else {}))
         return out
 
 
@@ -421,7 +423,8 @@ def _result_json(prompt: str, result: GraphResult) -> dict[str, Any]:
         if result.rewards is not None:
             sample["reward"] = result.rewards.total[i]
             sample["scores"] = {name: {k: v[i] for k, v in out.scores.items()} |
-                                {"status": out.status[i].value, "reason": out.reasons[i]}
+                                {"status": out.status[i].value, "reason": out.reasons[i]} |
+                                ({"metadata": dict(out.metadata)} if out.metadata else {})
                                 for name, out in result.rewards.by_scorer.items()}
         if result.previews:
             sample["media"] = {name: urls[i] for name, urls in result.previews.items()}

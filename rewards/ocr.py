@@ -6,8 +6,9 @@ recognised in the image (every detected line with confidence >= `min_confidence`
     d = 0 if t is a substring of r else levenshtein(r, t), then d = min(d, len(t))
     ocr = 1 - d / len(t)                        in [0, 1]
 An image with no text scores exactly 0 (d = len(t)): that is the formula's value, not a fallback.
-A sample without a target text, or with an empty one, is refused with a typed error naming the
-sample (an optional scorer then reports MISSING with that reason); it never scores 0.
+A sample without a target text, or with an empty one, is refused with UnscorableInputError (the
+client's prompt lacks what the scorer needs: a 4xx) naming the sample; an optional scorer then
+reports MISSING with that reason. It never scores 0.
 
 The detection / recognition / angle models are ONNX files shipped inside `rapidocr-onnxruntime`
 (PP-OCRv4 det + rec, mobile v2 cls; Apache-2.0); other local ONNX files can be named instead.
@@ -20,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput, ScoreStatus
+from contract import ConfigError, Modality, ScorerOutput, ScoreStatus, UnscorableInputError
 from rewards.base import ScoreRequest
 from rewards.media import require_decoded
 
@@ -103,17 +104,19 @@ class OcrScorer:
         """The target text of every sample, or a typed error naming the first sample without."""
         key = self.config.target_key
         if len(metadata) != batch:
-            raise InvalidRequestError(f"scorer {self.name!r} reads its target text from per-sample "
-                                      f"metadata[{key!r}]; got metadata for {len(metadata)} of "
-                                      f"{batch} samples", field=f"{self.name}.metadata",
-                                      expected=batch, actual=len(metadata))
+            raise UnscorableInputError(f"scorer {self.name!r} reads its target text from "
+                                       f"per-sample metadata[{key!r}]; got metadata for "
+                                       f"{len(metadata)} of {batch} samples",
+                                       field=f"{self.name}.metadata", expected=batch,
+                                       actual=len(metadata))
         out = []
         for i, meta in enumerate(metadata):
             text = meta.get(key)
             if not isinstance(text, str) or not normalise_text(text):
-                raise InvalidRequestError(f"scorer {self.name!r} needs a non-empty target text "
-                                          f"in the prompt's metadata", field=f"metadata[{i}].{key}",
-                                          expected="non-empty str", actual=text)
+                raise UnscorableInputError(f"scorer {self.name!r} needs a non-empty target text "
+                                           f"in the prompt's metadata",
+                                           field=f"metadata[{i}].{key}",
+                                           expected="non-empty str", actual=text)
             out.append(text)
         return out
 
