@@ -60,12 +60,12 @@ class HTTPRolloutRequest(FrozenModel):
     artifacts: tuple[Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)],
                      ...] | None = Field(None, description="None = adapter defaults.")
     include_media: bool = Field(False, description="Return small decoded media as data URLs.")
-_COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
-                 "artifacts": "max_artifacts", "metadata": "max_prompts"}
-_MetaText = Annotated[str, StringConstraints(max_length=MAX_METADATA_CHARS)]
-_MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_CHARS)]
-PromptMetadata = dict[_MetaKey, _MetaText | int | float | bool]
- from the validation context ({"limits": RequestLimits}) the ingress passes.
+    policy_version: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
+    metadata: tuple[PromptMetadata, ...] | None = Field(
+        None, description="One flat object per prompt, passed to the scorers with it (e.g. "
+                          "{\"ocr_text\": \"OPEN\"}); scalar values only, bounded in size.")
+
+    # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
     @field_validator("prompts", "negative_prompts", "artifacts", "metadata", mode="before")
     @classmethod
     def _check_count(cls, value: Any, info: ValidationInfo) -> Any:
