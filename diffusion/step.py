@@ -26,7 +26,7 @@ from contract.enums import GuidanceKind, SamplerKind, TimeConvention
 from contract.errors import InvalidRequestError
 from diffusion.conventions import model_time, to_sigma_velocity
 from diffusion.guidance import cfg_velocity
-from diffusion.samplers import StepOutput, log_density, sampler_step
+from diffusion.samplers import SolverHistory, StepOutput, log_density, sampler_step
 
 Models = Mapping[str, torch.nn.Module]      # component name -> module (e.g. "transformer")
 
@@ -174,10 +174,13 @@ class FrozenLatents:
 def transition(sampler: SamplerKind, x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
                sigma_next: torch.Tensor, noise_level: float, noise: torch.Tensor | None = None,
                prev_sample: torch.Tensor | None = None,
-               frozen: FrozenLatents | None = None) -> StepOutput:
+               frozen: FrozenLatents | None = None,
+               history: SolverHistory | None = None) -> StepOutput:
     """The sampler step from sigma to sigma_next (per row), with frozen entries held and left
-    out of the log-prob. With `prev_sample` the step scores that sample (trainer recompute)."""
-    out = sampler_step(sampler, x, v, sigma, sigma_next, noise_level, noise, prev_sample)
+    out of the log-prob. With `prev_sample` the step scores that sample (trainer recompute);
+    `history`: the previous step's StepOutput.history for a multistep kind (DPM2)."""
+    out = sampler_step(sampler, x, v, sigma, sigma_next, noise_level, noise, prev_sample,
+                       history=history)
     if frozen is None:
         return out
     x_next = frozen.apply(out.prev_sample)
@@ -192,7 +195,9 @@ def denoise_step(denoiser: Denoiser, models: Models, x: torch.Tensor, sigma: tor
                  sampler: SamplerKind, noise_level: float, noise: torch.Tensor | None = None,
                  prev_sample: torch.Tensor | None = None,
                  media: Mapping[str, torch.Tensor] | None = None,
-                 frozen: FrozenLatents | None = None) -> StepOutput:
+                 frozen: FrozenLatents | None = None,
+                 history: SolverHistory | None = None) -> StepOutput:
     """predict_velocity + transition: one whole denoising step of B rows."""
     v = predict_velocity(denoiser, models, x, sigma, cond, guidance, media)
-    return transition(sampler, x, v, sigma, sigma_next, noise_level, noise, prev_sample, frozen)
+    return transition(sampler, x, v, sigma, sigma_next, noise_level, noise, prev_sample, frozen,
+                      history)

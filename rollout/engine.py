@@ -25,13 +25,14 @@ from adapters.family import ModelFamily
 from adapters.lora_targets import LoRATargetMap
 from contract import (Condition, InvalidRequestError, LimitExceededError, MediaArtifact,
                       QueueFullError, ReplicaFailedError, RequestCancelledError, RolloutError,
-                      SamplerKind, StopReason, Trajectory, collect_artifacts)
+                      SamplerKind, StopReason, collect_artifacts)
 from diffusion.conventions import model_time
-from diffusion.noise import initial_noise, row_noise
-from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity, transition
+from diffusion.noise import initial_noise
+from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity
 from rollout.config import EngineLimits
 from rollout.engine_api import EngineRequest, EngineResult
 from rollout.engine_state import BatchKey, RequestState, schedule
+from rollout.recorder import SampleRecorder
 from rollout.lora import LoRASlotGroup
 
 
@@ -218,8 +219,9 @@ class EmbeddedEngine:
         inputs = {k: v.to(self.device).expand(rows, *v.shape[1:]) for k, v in media.inputs.items()}
         key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
                        media.batch_key())
-        return RequestState(request, future, key, sigmas.to(self.device), times.to(self.device),
-                            x, cond, negative, inputs, frozen, enqueued, next(self._order))
+        recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen)
+        return RequestState(request, future, key, recorder, times.to(self.device), x, cond,
+                            negative, inputs, enqueued, next(self._order))
 
     def _execute(self, batch: list[RequestState]) -> None:
         """One forward for every row of the batch, then each request's own sampler step."""
@@ -227,7 +229,7 @@ class EmbeddedEngine:
         now = time.perf_counter()
         head = batch[0]
         x = torch.cat([s.x for s in batch])                                        # (R, *S)
-        sigma = torch.cat([s.sigmas[s.step].expand(s.rows) for s in batch])        # (R,)
+        sigma = torch.cat([s.recorder.sigmas_now(s.rows)[0] for s in batch])       # (R,)
         cond = Condition.cat([s.cond for s in batch])
         scales = torch.cat([torch.full((s.rows,), s.request.request.sampling.guidance_scale)
                             for s in batch])
@@ -241,31 +243,11 @@ class EmbeddedEngine:
         for state in batch:
             sl = slice(offset, offset + state.rows)
             offset += state.rows
-            self._step(state, x[sl], v_all[sl])
+            state.x = state.recorder.advance(x[sl], v_all[sl])   # its own sampler step
             state.batch_rows.append(rows)
             state.last_tick = self._tick
             if state.started_at is None:
                 state.started_at = now
-
-    def _step(self, state: RequestState, x: torch.Tensor, v: torch.Tensor) -> None:
-        """One sampler step of one request (its own sigma, window, seeds, step index)."""
-        sampling = state.request.request.sampling
-        j, kind = state.step, state.step_kind()
-        start, end = state.window
-        sigma = state.sigmas[j].expand(state.rows)
-        sigma_next = state.sigmas[j + 1].expand(state.rows)
-        if j == start:
-            state.traj_latents.append(x.float().clone())
-        noise = None
-        if kind != SamplerKind.ODE:
-            noise = row_noise(sampling.seeds, j, tuple(x.shape[1:])).to(x.device, torch.float32)
-        out = transition(kind, x, v, sigma, sigma_next, sampling.noise_level, noise,
-                         frozen=state.frozen)
-        if start <= j < end:
-            state.log_probs.append(out.log_prob.float())
-            state.traj_latents.append(out.prev_sample.float().clone())
-        state.x = out.prev_sample
-        state.step = j + 1
 
     # ---- update -----------------------------------------------------------------------------
     def _finish(self, state: RequestState) -> None:
@@ -288,15 +270,7 @@ class EmbeddedEngine:
         produced = [MediaArtifact(io_spec[name], named[name].float().cpu())
                     for name in request.latent_artifacts if name in named]
         latents = collect_artifacts(io_spec, request.latent_artifacts, produced, rid)
-        log_probs = torch.stack(state.log_probs, dim=1) if state.log_probs else \
-            torch.zeros(state.rows, 0)                                              # (B, W)
-        trajectory = Trajectory(
-            latents=torch.stack(state.traj_latents, dim=1).cpu(),                  # (B, W+1, *S)
-            sigmas=state.sigmas.cpu(), model_timesteps=state.model_times.cpu(),
-            log_probs=log_probs.cpu(), window=state.window, sampler=sampling.sampler,
-            noise_level=sampling.noise_level, guidance_scale=sampling.guidance_scale,
-            seeds=sampling.seeds, policy_version=request.policy_version,
-            frozen_mask=None if state.frozen is None else state.frozen.mask[:1].cpu())
+        trajectory = state.recorder.trajectory(state.model_times, request.policy_version)
         done = time.perf_counter()
         started = state.started_at or done
         metrics = {"queue_time_s": started - state.enqueued_at,

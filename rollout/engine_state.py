@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from contract import Condition, SamplerKind
-from diffusion.step import FrozenLatents
-from diffusion.windows import uses_sde
+from contract import Condition
 from rollout.engine_api import EngineRequest
+from rollout.recorder import SampleRecorder
 
 
 @dataclass(frozen=True)
@@ -36,21 +35,17 @@ class RequestState:
     request: EngineRequest
     future: concurrent.futures.Future
     key: BatchKey
-    sigmas: torch.Tensor                  # (N+1,) fp32 schedule
+    recorder: SampleRecorder              # step index, sampler per step, noise, trajectory
     model_times: torch.Tensor             # (N,) fp32 time actually fed to the model per step
     x: torch.Tensor                       # (B, *S) fp32 current sampler state
     cond: Condition                       # B rows (the prompt repeated per row)
     negative: Condition | None            # B rows when CFG doubles them, else None
     inputs: dict[str, torch.Tensor]       # media inputs of the forward, (B, ...) each
-    frozen: FrozenLatents | None          # condition entries held in the state, (B, *S)
     enqueued_at: float
     order: int                            # admission order (FIFO tie-break)
-    step: int = 0
     last_tick: int = -1                   # loop tick of its last step (fairness)
     started_at: float | None = None
     cancelled: bool = False
-    traj_latents: list[torch.Tensor] = field(default_factory=list)   # each (B, *S) fp32
-    log_probs: list[torch.Tensor] = field(default_factory=list)      # each (B,) fp32
     batch_rows: list[int] = field(default_factory=list)              # rows per forward it joined
 
     @property
@@ -62,21 +57,16 @@ class RequestState:
         return self.x.shape[0]
 
     @property
-    def num_steps(self) -> int:
-        return int(self.sigmas.shape[0]) - 1
+    def step(self) -> int:
+        return self.recorder.step
 
     @property
-    def window(self) -> tuple[int, int]:
-        return self.request.request.sampling.window
+    def num_steps(self) -> int:
+        return self.recorder.num_steps
 
     @property
     def done(self) -> bool:
-        return self.step >= self.num_steps
-
-    def step_kind(self) -> SamplerKind:
-        """The sampler for the current step: the request's kind inside the window, ODE outside."""
-        sampling = self.request.request.sampling
-        return sampling.sampler if uses_sde(self.step, self.window) else SamplerKind.ODE
+        return self.recorder.done
 
 
 def schedule(running: list[RequestState], max_rows: int) -> list[RequestState]:

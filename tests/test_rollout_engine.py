@@ -204,3 +204,32 @@ def test_async_generate_keeps_event_loop_responsive(t2i):
     finally:
         _shutdown(engine)
     assert ticks > 1 and result.stop_reason.value == "finished"
+
+
+def test_dpm2_runs_every_step_with_its_history_and_matches_a_plain_loop(t2i):
+    """The multistep solver keeps its history per request inside the engine's packed loop:
+    the result equals the same solver run alone on the rows, step by step."""
+    from diffusion.noise import initial_noise
+    from diffusion.samplers import sampler_step
+    from diffusion.step import Guidance, predict_velocity
+    adapter, models, _, conds, _ = t2i
+    engine = _engine(t2i, max_batch_rows=8)
+    try:
+        dpm = engine.submit(_req(t2i, seeds=(4, 5), steps=5, sampler=SamplerKind.DPM2))
+        other = engine.submit(_req(t2i, seeds=(6,), steps=7, window=(0, 3)))
+        result, _ = _wait([dpm, other])
+    finally:
+        _shutdown(engine)
+    sampling = SamplingSpec(sampler=SamplerKind.DPM2, num_steps=5, seeds=(4, 5))
+    sigmas = adapter.sigmas(sampling)
+    x = initial_noise((4, 5), adapter.codec.state_shape(sampling))
+    cond, history = conds[0].expand_rows(2), None
+    with torch.no_grad():
+        for j in range(5):
+            sigma = sigmas[j].expand(2)
+            v = predict_velocity(adapter.denoiser, models, x, sigma, cond, Guidance.none(2))
+            out = sampler_step(SamplerKind.DPM2, x, v, sigma, sigmas[j + 1].expand(2), 0.0,
+                               None, history=history)
+            x, history = out.prev_sample, out.history
+    assert result.trajectory.log_probs.shape == (2, 0) and result.trajectory.window == (0, 0)
+    assert (result.latents["image_latent"].data - x).abs().max() <= 1e-4

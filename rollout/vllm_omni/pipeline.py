@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from adapters.family import ModelFamily
-from contract import Condition, ConfigError, InvalidRequestError, MediaRole, SamplerKind, SamplingSpec
+from contract import Condition, ConfigError, InvalidRequestError, MediaRole, SamplingSpec
 from diffusion.conventions import model_time
-from diffusion.noise import initial_noise, row_noise
-from diffusion.step import Guidance, denoise_step, doubles_rows
-from diffusion.windows import uses_sde
+from diffusion.noise import initial_noise
+from diffusion.step import Guidance, doubles_rows, predict_velocity
+from rollout.recorder import SampleRecorder
 from rollout.vllm_omni.lora import ResidentLoRAs
 from rollout.vllm_omni.lowering import build_envelope, read_condition, read_sampling
 
@@ -61,30 +61,15 @@ def sample_request(family: ModelFamily, models: Mapping[str, nn.Module], samplin
         x = frozen.apply(x)
     denoiser = family.denoiser
     timesteps = model_time(sigmas[:-1], denoiser.time_convention, denoiser.model_time_scale)
-    latents, log_probs = [], []
-    for i in range(sampling.num_steps):
-        sigma = sigmas[i].to(device).expand(rows)                            # (B,)
-        sigma_next = sigmas[i + 1].to(device).expand(rows)
-        stochastic = uses_sde(i, window)
-        if stochastic and i == window[0]:
-            latents.append(x)
-        kind = sampling.sampler if stochastic else SamplerKind.ODE
-        noise = row_noise(seeds, i, shape, device=device) if stochastic else None
-        step = denoise_step(denoiser, models, x, sigma, sigma_next, cond_rows, guidance, kind,
-                            sampling.noise_level, noise, media=inputs, frozen=frozen)
-        x = step.prev_sample
-        if stochastic:
-            latents.append(x)
-            log_probs.append(step.log_prob)
-    if not latents:                     # ODE (empty window): the trajectory is the start only
-        start = initial_noise(seeds, shape, device=device)
-        latents.append(start if frozen is None else frozen.apply(start))
-    return {"state": x,
-            "latents": torch.stack(latents, dim=1),                             # (B, W+1, *S)
-            "log_probs": (torch.stack(log_probs, dim=1) if log_probs
-                          else torch.zeros(rows, 0, device=device)),            # (B, W)
+    recorder = SampleRecorder(sampling, sigmas.to(device), frozen)    # the embedded engine's
+    while not recorder.done:
+        sigma, _ = recorder.sigmas_now(rows)
+        v = predict_velocity(denoiser, models, x, sigma, cond_rows, guidance, inputs)
+        x = recorder.advance(x, v)
+    trajectory = recorder.trajectory(timesteps, "")
+    return {"state": x, "latents": trajectory.latents, "log_probs": trajectory.log_probs,
             "sigmas": sigmas, "model_timesteps": timesteps, "window": window,
-            "frozen_mask": None if frozen is None else frozen.mask[:1]}
+            "frozen_mask": trajectory.frozen_mask}
 
 
 def _real_output_cls() -> Callable[..., Any]:
