@@ -14,7 +14,7 @@ LoRA versions come from the policy store actor (deployments/policy_store.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ray import serve
 from ray.serve import Application
@@ -49,13 +49,16 @@ def decoded_latents(config: GraphConfig) -> list[str]:
                    if a.representation == Representation.DECODED})
 
 
-def stage_options(config: GraphConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+def stage_options(config: GraphConfig, latents: Sequence[str] | None = None
+                  ) -> dict[str, tuple[str, dict[str, Any]]]:
     """Deployment name -> (its config field, its Serve options): the one derivation the build_*
-    functions, the placement check and the cluster manifests use."""
+    functions, the placement check, the planner and the cluster manifests use. `latents`: the
+    decoded latent kinds, when the caller states them instead of reading the checkpoint (a
+    plan for a checkpoint this machine does not hold)."""
     out = {"TextEncoder": ("encoder", encoder_options(config)),
            "DiTRollout": ("rollout_stage",
                           config.rollout_stage.deployment_options("DiTRollout"))}
-    for latent in decoded_latents(config):
+    for latent in (decoded_latents(config) if latents is None else latents):
         name = f"Decoder_{latent}"
         out[name] = ("decoder", config.decoder.deployment_options(name))
     for i, spec in enumerate(config.scorers):
