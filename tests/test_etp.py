@@ -164,3 +164,36 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
     while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(_pid_alive(p) for p in pids), "shard workers outlived their replica"
+
+
+def test_clip_and_t5_shard_as_their_plans_declare(ray_cluster, tiny_checkpoint):
+    """The tiny SD3 checkpoint's CLIP-L, CLIP-G and T5, each split over 2 gloo ranks by its
+    family-declared ETP plan, give the unsharded condition (and each rank holds ~half)."""
+    from ray import serve
+
+    from adapters.registry import get_family
+    root = str(tiny_checkpoint("sd3"))
+    options = {"max_sequence_length": 32}
+    family = get_family("sd3", root, options)
+    encoders = load_encoders(family)
+    prompts = family.conditioner.tokenize(TEXTS)
+    ref = family.conditioner.encode(encoders, prompts)
+    full = param_bytes(encoders, family)
+    opts = {"name": "TextEncoder", "ray_actor_options": {"num_cpus": 0.25},
+            "graceful_shutdown_wait_loop_s": 0.0, "graceful_shutdown_timeout_s": 2.0,
+            **TextEncoderServer.deployment_options(2, 0.25, 0.25)}
+    handle = serve.run(serve.deployment(TextEncoderServer, **opts).bind(
+        "sd3", root, 2, "cpu", "float32", options), name="etp_sd3", route_prefix=None)
+    try:
+        cond = handle.encode.remote(prompts).result(timeout_s=180)
+        for name in ("prompt_embeds", "pooled"):
+            assert cond[name].shape == ref[name].shape
+            assert (cond[name] - ref[name]).abs().max().item() <= 1e-5, name
+        assert cond.token_ids == tuple(p.ids_by_encoder(family.spec.encoder_names)
+                                       for p in prompts)
+        shards = handle.shard_param_bytes.remote().result(timeout_s=60)
+        for s in shards:
+            assert s["full_sharded"] == full.sharded
+            assert abs(s["sharded"] / full.sharded - 0.5) < 0.05, s     # uneven splits round
+    finally:
+        serve.delete("etp_sd3")

@@ -138,3 +138,18 @@ def test_time_convention_check_against_the_checkpoint_scheduler(case, tiny_check
     with pytest.raises(StartupCheckError) as err:
         checks.check_time_convention_scheduler(learner, prompts, sampling)
     assert err.value.field == "adapter.time_convention"
+
+
+@pytest.mark.parametrize("config,family", [("configs/sd3.yaml", "sd3"),
+                                           ("configs/flux.yaml", "flux")])
+def test_shipped_serve_configs_build_on_a_local_checkpoint(config, family, tiny_checkpoint):
+    """The README's "your own checkpoint" configs: pointed at a checkpoint folder they build the
+    whole Serve application (every stage's family, decoders per latent)."""
+    import yaml
+
+    from graph import build_app
+    args = yaml.safe_load(open(config))["applications"][0]["args"]
+    args["rollout"]["weights_path"] = str(tiny_checkpoint(family))
+    args["rollout"]["adapter"] = "auto"
+    app = build_app(args)
+    assert app is not None
