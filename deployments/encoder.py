@@ -1,15 +1,16 @@
-"""TextEncoder stage: token ids in, TextCondition out; optionally tensor-parallel (ETP).
+"""TextEncoder stage: token ids in (per encoder), Condition out; optionally tensor-parallel (ETP).
 
-etp == 1: the replica runs the adapter's text encoder in-process.
+etp == 1: the replica runs the family's text encoders in-process (deployments/encoding.py).
 etp  > 1: the replica owns a placement group (bundle 0 = the replica, bundles 1..etp = one shard
           worker each, STRICT_PACK so loopback rendezvous is valid) and starts one `ShardWorker`
           actor per bundle; the workers form a gloo (CPU) / nccl (GPU) group on 127.0.0.1 and
-          run the Megatron-split encoder (deployments/etp.py). The workers are owned by the
+          run the encoders split by their families' ETP plans (deployments/etp.py). The workers
+          are owned by the
           replica, so Ray ends them when the replica ends.
 
 Users state `etp`; `TextEncoderServer.deployment_options` derives the placement options from it.
-Token ids are encoded exactly as received (the adapter pads them; nothing re-tokenizes), and the
-returned TextCondition carries them in `token_ids` for the trainer's token check.
+Token ids are encoded exactly as received (the conditioner pads them; nothing re-tokenizes), and
+the returned Condition carries them, per encoder, in `token_ids` for the trainer's token check.
 """
 from __future__ import annotations
 
@@ -19,42 +20,15 @@ import socket
 from typing import Any, Sequence
 
 import torch
-from torch import nn
 
-from adapters.family import ModelFamily
 from adapters.registry import get_family
 from contract import (Condition, ConfigError, InvalidRequestError, PromptBundle,
                       ReplicaFailedError, RolloutError)
+from deployments.encoding import encode_prompts, load_encoders
 from deployments.etp import ShardWorker, check_family_etp, param_bytes
 from deployments.memory import guard_replica_memory
 
 SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback (all bundles on one node)
-
-
-def load_encoders(family: ModelFamily, device: torch.device | str = "cpu",
-                  dtype: str = "float32") -> dict[str, nn.Module]:
-    """The family's text encoders only (name -> module), inputs placed on `device`."""
-    device = torch.device(device)
-    return {name: place_inputs_on(module, device)
-            for name, module in family.load_encoders(dtype, device).items()}
-
-
-def place_inputs_on(encoder: nn.Module, device: torch.device) -> nn.Module:
-    """Move the encoder's tensor inputs to `device` (the conditioner pads ids on the CPU)."""
-    def hook(module, args, kwargs):
-        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v   # noqa: E731
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
-    if device.type != "cpu":
-        encoder.register_forward_pre_hook(hook, with_kwargs=True)
-    return encoder
-
-
-def encode_prompts(family: ModelFamily, encoders, prompts: Sequence[PromptBundle]) -> Condition:
-    """The conditioner on the ids exactly as given; `token_ids` records, per prompt, the ids of
-    every encoder (what the trainer's token check compares)."""
-    cond = family.conditioner.encode(encoders, prompts).to("cpu")
-    names = family.spec.encoder_names
-    return Condition(cond.tensors, tuple(p.ids_by_encoder(names) for p in prompts))
 
 
 def _check_shard_gpus(device: str, gpus_per_shard: Sequence[float]) -> None:

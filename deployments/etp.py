@@ -37,6 +37,7 @@ from torch import nn
 
 from adapters.family import ETPPlan, ModelFamily
 from contract import ConfigError, PromptBundle
+from deployments.encoding import encode_prompts, load_encoders
 
 
 def valid_etp_values(num_heads: int) -> tuple[int, ...]:
@@ -178,7 +179,6 @@ class ShardWorker:
                  master: str, device: str, dtype: str = "float32",
                  options: dict | None = None):
         from adapters.registry import get_family
-        from deployments.encoder import load_encoders
 
         self.rank, self.etp = rank, etp
         self.device_type = torch.device(device).type
@@ -206,7 +206,6 @@ class ShardWorker:
                 "full_total": self.full_bytes.total}
 
     def encode(self, prompts: Sequence[PromptBundle]):
-        from deployments.encoder import encode_prompts
         cond = encode_prompts(self.family, self.encoders, prompts)
         return cond if self.rank == 0 else None
 

@@ -16,7 +16,8 @@ import torch
 
 from contract import (ConfigError, InvalidRequestError, LimitExceededError, PromptBundle,
                       ReplicaFailedError)
-from deployments.encoder import TextEncoderServer, load_encoders
+from deployments.encoder import TextEncoderServer
+from deployments.encoding import load_encoders
 from deployments.etp import check_etp, param_bytes, valid_etp_values
 
 pytestmark = pytest.mark.timeout(300)
