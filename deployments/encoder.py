@@ -4,9 +4,8 @@ etp == 1: the replica runs the family's text encoders in-process (deployments/en
 etp  > 1: the replica owns a placement group (bundle 0 = the replica, bundles 1..etp = one shard
           worker each, STRICT_PACK so loopback rendezvous is valid) and starts one `ShardWorker`
           actor per bundle; the workers form a gloo (CPU) / nccl (GPU) group on 127.0.0.1 and
-          run the encoders split by their families' ETP plans (deployments/etp.py). The workers
-          are owned by the
-          replica, so Ray ends them when the replica ends.
+          run the encoders split by their families' ETP plans (deployments/etp.py). The
+          workers are owned by the replica, so Ray ends them when the replica ends.
 
 Users state `etp`; `TextEncoderServer.deployment_options` derives the placement options from it.
 Token ids are encoded exactly as received (the conditioner pads them; nothing re-tokenizes), and
