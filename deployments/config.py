@@ -6,7 +6,7 @@ Serve options (resources, autoscaling, placement) are derived from these models 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -221,28 +221,91 @@ class GraphConfig(Model):
 
 
 def load_graph_config(source: dict[str, Any] | str | Path | GraphConfig) -> GraphConfig:
-    """Validate a dict / YAML file into GraphConfig; errors name the field (ConfigError)."""
+    """Validate a dict / YAML file into GraphConfig; every error is a ConfigError naming the
+    field (or the file and line), never another exception."""
     if isinstance(source, GraphConfig):
         return source
     if isinstance(source, (str, Path)):
-        data = yaml.safe_load(Path(source).read_text())
-        data = _serve_args(data)
-    else:
+        data = _serve_args(read_yaml(source))
+    elif isinstance(source, Mapping):
         data = dict(source)
+    else:
+        raise ConfigError("a graph config is a mapping, a YAML path or a GraphConfig",
+                          field="config", actual=type(source).__name__)
     try:
         return GraphConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid graph config: {first['msg']}", field=field,
-                          actual=first.get("input")) from exc
+        raise config_error(exc, "invalid graph config") from exc
 
 
-def _serve_args(data: dict[str, Any]) -> dict[str, Any]:
+def _serve_args(data: Any) -> Any:
     """Accept either bare GraphConfig YAML or Serve's config-file form (applications[0].args)."""
-    if isinstance(data, dict) and "applications" in data:
+    if isinstance(data, Mapping) and "applications" in data:
         apps = data["applications"]
-        if not apps:
-            raise ConfigError("Serve config has no applications", field="applications")
-        return dict(apps[0].get("args") or {})
+        if not isinstance(apps, list) or not apps:
+            raise ConfigError("Serve config needs a non-empty list of applications",
+                              field="applications", actual=type(apps).__name__)
+        if not isinstance(apps[0], Mapping):
+            raise ConfigError("a Serve application is a mapping", field="applications[0]",
+                              actual=type(apps[0]).__name__)
+        args = apps[0].get("args") or {}
+        if not isinstance(args, Mapping):
+            raise ConfigError("a Serve application's args are a mapping (the graph config)",
+                              field="applications[0].args", actual=type(args).__name__)
+        return dict(args)
     return data
+
+
+def read_yaml(path: str | Path, field: str = "config") -> Any:
+    """The data of a YAML file, or a ConfigError naming the file (missing, unreadable, not
+    UTF-8, not YAML with its line and column, nested too deeply to load)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config file not found", field=field, expected="a YAML file",
+                          actual=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config file is not UTF-8 text", field=field,
+                          actual=f"{path}: byte {exc.start}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file cannot be read ({exc.strerror})", field=field,
+                          actual=str(path)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file is not valid YAML: {problem}", field=field,
+                          actual=where) from None
+    except RecursionError:
+        raise ConfigError("config file nests too deeply to load", field=field,
+                          actual=str(path)) from None
+
+
+# pydantic puts the member of a union it tried into `loc` ("str", "GraphConfig", ...)
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple", "set"}
+
+
+def config_error(exc: ValidationError, what: str) -> ConfigError:
+    """The most specific of a ValidationError's errors as a ConfigError whose field is the
+    dotted path of config keys (union member tags left out)."""
+    errors = exc.errors(include_url=False)
+    best = max(errors, key=lambda e: len(e["loc"]))
+    models = {cls.__name__ for cls in _subclasses(BaseModel)}
+    parts = [p for p in best["loc"] if not (isinstance(p, str) and (
+        p in models or p in _TYPE_TAGS or p.startswith("function-") or "[" in p))]
+    field = "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
+                    for i, p in enumerate(parts))
+    actual = best.get("input")
+    if isinstance(actual, (dict, list, tuple)) or (isinstance(actual, str) and len(actual) > 200):
+        actual = type(actual).__name__
+    return ConfigError(f"{what}: {best['msg']}", field=field or "config", actual=actual)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out

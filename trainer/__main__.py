@@ -7,24 +7,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Sequence
 
 import yaml
 
+from contract import ConfigError
 from trainer.config import load_trainer_config
 
 
 def parse_overrides(items: Sequence[str]) -> dict:
+    """['a.b=1', ...] -> {'a.b': 1}; each value is read as YAML (a ConfigError naming the key
+    when it is not)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        out[key] = yaml.safe_load(value)
+        if not sep or not key.strip():
+            raise ConfigError("--set expects KEY=VALUE", field="--set", expected="KEY=VALUE",
+                              actual=item)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except (yaml.YAMLError, RecursionError) as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(f"--set value is not YAML: {problem}", field=key.strip(),
+                              actual=value[:200]) from None
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """A bad config, override or prompt file ends the run with its typed error on stderr
+    (exit status 2), not a traceback."""
+    try:
+        _main(argv)
+    except ConfigError as exc:           # DatasetError included
+        print(f"python -m trainer: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main(argv: Sequence[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/train_tiny_t2i.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -33,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="start a local Ray cluster and deploy the graph first")
     args = parser.parse_args(argv)
     cfg = load_trainer_config(args.config, parse_overrides(args.set))
+    cfg.graph_config()                      # a bad graph file fails here, before Ray starts
     from trainer.demo import local_cluster
     from trainer.loop import Trainer
     if args.deploy:

@@ -12,11 +12,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contract import Algorithm, ConfigError, SamplerKind
-from deployments.config import GraphConfig, load_graph_config
+from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode
 from trainer.datasets import DatasetFormat
@@ -248,26 +247,42 @@ class TrainerConfig(Model):
 
 def load_trainer_config(source: str | Path | dict[str, Any],
                         overrides: dict[str, Any] | None = None) -> TrainerConfig:
-    """YAML path or dict -> TrainerConfig; errors name the field (ConfigError)."""
+    """YAML path or dict -> TrainerConfig, `overrides` ({dotted key: value}, the CLI's --set)
+    applied on top; every error is a ConfigError naming the field or the file."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file() and (REPO_ROOT / path).is_file():
             path = REPO_ROOT / path
-        if not path.is_file():
-            raise ConfigError("trainer config file not found", field="config", actual=str(source))
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path)
+        data = {} if data is None else data
     else:
-        data = dict(source)
+        data = source
+    if not isinstance(data, dict):
+        raise ConfigError("a trainer config is a mapping of fields", field="config",
+                          expected="mapping", actual=type(data).__name__)
+    data = dict(data)
     for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        _override(data, dotted, value)
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ConfigError(f"invalid trainer config: {first['msg']}",
-                          field=".".join(str(p) for p in first["loc"]),
-                          actual=first.get("input")) from exc
+        raise config_error(exc, "invalid trainer config") from exc
+
+
+def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set data[a][b][c] = value for dotted 'a.b.c' (sections are copied, never shared)."""
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError("an override key is dotted field names", field=dotted or "--set",
+                          expected="e.g. pipeline.mode", actual=dotted)
+    node = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted}: {'.'.join(keys[:depth + 1])} is not a "
+                              "section", field=dotted, actual=type(child).__name__)
+        node[key] = child = dict(child)
+        node = child
+    node[keys[-1]] = value

@@ -154,7 +154,7 @@ def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> P
     if isinstance(metadata, str):
         try:
             metadata = json.loads(metadata)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             raise DatasetError("metadata string is not JSON", field=source,
                                actual=metadata) from None
     if not isinstance(metadata, Mapping):
@@ -173,9 +173,18 @@ def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> P
     return PromptRecord(prompt.strip(), source, negative, dict(metadata), media)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise DatasetError("prompt file is not UTF-8 text", field=f"{path}:{line}",
+                           actual=f"byte {exc.start}") from None
+
+
 def _jsonl_rows(path: Path) -> list[tuple[int, Any]]:
     rows = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -183,6 +192,9 @@ def _jsonl_rows(path: Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as exc:
             raise DatasetError(f"line is not JSON ({exc.msg})", field=f"{path}:{line_no}",
                                actual=line[:80]) from None
+        except (ValueError, RecursionError) as exc:  # a number too long, nesting too deep
+            raise DatasetError(f"line is not readable JSON ({type(exc).__name__})",
+                               field=f"{path}:{line_no}", actual=line[:80]) from None
     return rows
 
 
@@ -202,7 +214,12 @@ def _parquet_rows(path: Path) -> list[tuple[int, Any]]:
     for i, row in enumerate(table.to_pylist(), start=1):
         clean = {k: v for k, v in row.items() if v is not None}
         if isinstance(clean.get("metadata"), list):      # a map column arrives as pairs
-            clean["metadata"] = dict(clean["metadata"])
+            try:
+                clean["metadata"] = dict(clean["metadata"])
+            except (TypeError, ValueError):
+                raise DatasetError("metadata column is neither a struct, a map nor JSON",
+                                   field=f"{path}:{i}", actual=str(clean["metadata"])[:80]
+                                   ) from None
         rows.append((i, clean))
     return rows
 
@@ -216,11 +233,11 @@ def resolve_format(path: Path, fmt: DatasetFormat) -> DatasetFormat:
         raise DatasetError("cannot tell the prompt file's format from its suffix",
                            field=str(path), expected=sorted(_SUFFIX), actual=path.suffix)
     if found is DatasetFormat.JSONL:
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in _read_text(path).splitlines():
             if line.strip():
                 try:
                     first = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     break               # reported with its line by the JSONL reader
                 if isinstance(first, Mapping) and "tag" in first and "include" in first:
                     return DatasetFormat.GENEVAL
@@ -239,7 +256,7 @@ def load_prompt_file(path: str | Path, fmt: DatasetFormat = DatasetFormat.AUTO
     base = path.parent
     if fmt is DatasetFormat.TXT:
         records = [PromptRecord(line.strip(), f"{path}:{n}")
-                   for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                   for n, line in enumerate(_read_text(path).splitlines(), 1)
                    if line.strip()]
     else:
         rows = _parquet_rows(path) if fmt is DatasetFormat.PARQUET else _jsonl_rows(path)
