@@ -171,7 +171,10 @@ class RolloutGraph:
             required = [n for n, s in self.scorer_specs.items()
                         if s.reward.policy == ScorerPolicy.REQUIRED]
             flags = await asyncio.gather(*(self.scorers[n].checks_prompts.remote()
-                                           for n in required))
+                                           for n in required), return_exceptions=True)
+            for name, flag in zip(required, flags):
+                if isinstance(flag, BaseException):
+                    self._raise_required_failure(name, flag, len(batch), batch[0].request_id)
             self._prompt_checkers = tuple(n for n, has in zip(required, flags) if has)
         if not self._prompt_checkers:
             return
@@ -184,19 +187,20 @@ class RolloutGraph:
             return_exceptions=True)
         for name, result in zip(names, results):
             if isinstance(result, BaseException):
-                self._raise_required_failure(name, result, len(batch), ids[0])
+                self._raise_required_failure(name, result, len(batch), ids[0], checked=True)
 
-    def _raise_required_failure(self, name: str, exc: BaseException, n: int,
-                                request_id: str) -> None:
+    def _raise_required_failure(self, name: str, exc: BaseException, n: int, request_id: str,
+                                checked: bool = False) -> None:
         """A required scorer's call raised. The client's fault (4xx) only when the scorer says
         the input it could not read was the client's (UnscorableInputError); its replica dying
         is a retryable 503; anything else -- a timeout, generated media it cannot read, its own
-        bug -- is the server's ScorerFailedError (502)."""
+        bug -- is the server's ScorerFailedError (502). `checked`: raised by the scorer stage's
+        prompt check, whose error already names the scorer, the prompt and its request."""
         cause = _cause(exc)
         if isinstance(cause, RolloutError) and cause.retryable:   # unavailable: retry later
             raise _with_request_id(cause, request_id) from None
         if isinstance(cause, UnscorableInputError):
-            if cause.message.startswith("required scorer"):      # from its prompt check
+            if checked:
                 raise cause
             raise UnscorableInputError(f"required scorer {name!r} cannot read the client's "
                                        f"input: {cause.message}", field=cause.field,
