@@ -247,11 +247,15 @@ class RolloutGraph:
                 raise
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
+        t_score = time.perf_counter()
         rewards = await self._score(request, refs, media)
+        metrics = dict(stage.metrics)
+        if rewards is not None:       # wall time from decoded media to the combined rewards
+            metrics["score_s"] = time.perf_counter() - t_score
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
-                           rewards=rewards, previews=previews, metrics=stage.metrics,
+                           rewards=rewards, previews=previews, metrics=metrics,
                            encoded_token_ids=stage.encoded_token_ids)
 
     def _decoded_plan(self, requested: Sequence[str]) -> dict[str, tuple[str, ...]]:

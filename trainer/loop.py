@@ -231,11 +231,13 @@ class Trainer:
         version, _ = self.publisher.publish(f"probe-{uuid.uuid4().hex[:4]}", self.step, sent,
                                             scale)
         prompts = self.eval_prompts[:2]
+        metadata = (self.feed.eval_extras()[0] or [None])[:2]   # scorers may need it (OCR text)
         num_steps = 4
         outs = {}
         for tag, ver in (("probe", version), ("base", "base")):
             reqs = make_requests(self.family, prompts, self.cfg.sampler, 2, seed=7, version=ver,
-                                 sampler=SamplerKind.ODE, num_steps=num_steps)
+                                 sampler=SamplerKind.ODE, num_steps=num_steps,
+                                 metadata=metadata if metadata[0] is not None else None)
             outs[tag] = self.rollout(reqs)
         states = {tag: build_batch(self.learner, prompts, o, [r.sampling for r in reqs]).x0
                   for tag, o in outs.items()}
@@ -325,7 +327,8 @@ class Trainer:
             now = time.perf_counter()
             metrics.update(rollout_wait_s=wait, rollout_graph_s=graph_s, train_s=t_train,
                            sync_s=sync_s, step_s=now - t_last,
-                           engine_run_s=_mean(o.metrics.get("run_time_s") for o in outputs))
+                           engine_run_s=_mean(o.metrics.get("run_time_s") for o in outputs),
+                           score_s=_mean(o.metrics.get("score_s") for o in outputs))
             metrics["samples_per_s"] = metrics.get("rows", 0.0) / max(now - t_last, 1e-9)
             if self.step % cfg.eval.every == 0 or self.step == cfg.steps:
                 metrics.update(self.evaluate())
