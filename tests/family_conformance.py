@@ -167,22 +167,34 @@ class FamilyConformance:
             assert len(row) == spec.max_length
         assert all(t.shape[0] == 1 for t in cond.tensors.values())
 
-    def test_each_stage_loads_only_its_components(self, fam):
-        encoders = fam.load_encoders()
-        transformers = fam.load_transformers()
-        decoders = {latent: fam.load_decoder(latent) for latent in fam.spec.decoders}
-        everything = [*encoders.values(), *transformers.values(),
-                      *(m for d in decoders.values() for m in d.values())]
-        total = param_bytes(everything)
-        enc, dit = param_bytes(encoders.values()), param_bytes(transformers.values())
-        dec = {k: param_bytes(v.values()) for k, v in decoders.items()}
-        assert enc + dit + sum(dec.values()) == total      # nothing shared, nothing twice
-        strategy_models = fam.load_transformers()
-        assert param_bytes(strategy_models.values()) == dit
-        for latent in fam.spec.decoders:   # a decoder holds its VAE (vocoder) only
-            assert set(fam.load_decoder(latent)) == set(fam.spec.decoders[latent])
-            assert not set(fam.spec.decoders[latent]) & set(fam.spec.transformers)
-            assert not set(fam.spec.decoders[latent]) & {e.component for e in fam.spec.encoders}
+    def test_each_stage_loads_only_its_components(self, fam, root):
+        """Parameter bytes each stage's server really holds: the encoder stage its text
+        encoders only, each decoder its VAE (vocoder) only, the rollout stage one copy of the
+        transformer(s) (+ the media encoder of a conditioned family) and no text encoder."""
+        from deployments.decoder import DecoderServer
+        from deployments.encoder import TextEncoderServer
+        from rollout.config import RolloutConfig
+        from rollout.strategy import build_strategy
+        sizes = {c: param_bytes([fam.load(c)]) for c in
+                 {*fam.spec.transformers, *(e.component for e in fam.spec.encoders),
+                  *(c for cs in fam.spec.decoders.values() for c in cs), *fam.spec.media_encoders}}
+        encoder = TextEncoderServer(self.family, str(root), 1, "cpu", "float32", self.options)
+        assert param_bytes(encoder.encoders.values()) == \
+            sum(sizes[e.component] for e in fam.spec.encoders)
+        for latent, components in fam.spec.decoders.items():
+            decoder = DecoderServer(self.family, str(root), latent, 4096, options=self.options)
+            assert set(decoder.modules) == set(components)
+            assert param_bytes(decoder.modules.values()) == sum(sizes[c] for c in components)
+        strategy = build_strategy(RolloutConfig(adapter=self.family, weights_path=str(root),
+                                                adapter_options=self.options), RequestLimits())
+        try:
+            engine = strategy.engine
+            held = param_bytes([*engine.models.values(), *engine.media_modules.values()])
+            assert held == sum(sizes[c] for c in (*fam.spec.transformers,
+                                                  *fam.spec.media_encoders))
+            assert not {e.component for e in fam.spec.encoders} & set(fam.spec.media_encoders)
+        finally:
+            asyncio.run(strategy.engine.shutdown())
 
     def test_bad_sizes_paths_and_dtypes_are_typed_errors(self, fam, root, tmp_path):
         with pytest.raises(InvalidRequestError) as err:
