@@ -83,6 +83,8 @@ class Task(str, Enum):
     T2I = "t2i"
     T2VA = "t2va"     # text -> video + audio
     FL2VA = "fl2va"   # first/last frame + text -> video + audio
+    T2V = "t2v"       # text -> video (no audio)
+    I2V = "i2v"       # first frame + text -> video (no audio)
     TEXT = "text"     # autoregressive text generation (AR strategy)
 
 

@@ -213,6 +213,7 @@ class RolloutRequest:
 
 
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
+_VIDEO_TASKS = (Task.FL2VA, Task.I2V)     # tasks whose `image` condition is the first frame
 
 
 def _as_tensor(data: torch.Tensor | np.ndarray, field_name: str, request_id: str) -> torch.Tensor:
@@ -243,7 +244,7 @@ def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
                 expected="unique (modality, role)", actual=f"{item.modality.value}/"
                 f"{item.role.value} also at media[{by_key[key]}]", request_id=request_id)
         by_key[key] = i
-        role = _VIDEO_FRAME_ROLES.get(item.role, item.role) if task == Task.FL2VA else item.role
+        role = _VIDEO_FRAME_ROLES.get(item.role, item.role) if task in _VIDEO_TASKS else item.role
         tensor = _as_tensor(item.data, f"media[{i}].data", request_id)
         _check_media_tensor(tensor, item.modality, f"media[{i}].data", request_id)
         normalized = MediaInput(item.modality, role, tensor)
