@@ -246,6 +246,12 @@ class ModelFamily(ABC):
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         """(num_steps + 1,) fp32 sigma table, 1 -> 0, as the family's pipeline schedules it."""
 
+    def packed_form(self, component: str, transformer: nn.Module):
+        """(packed copy, LoRATargetMap) of a transformer for an engine that serves fused q/k/v
+        and sharded fc1 (adapters/inference_form.py), or ConfigError for a family without one."""
+        raise ConfigError(f"{self.name} declares no packed inference form",
+                          field="rollout.packed_inference_form", expected=False, actual=True)
+
     def pipeline_scheduler(self, sampling: SamplingSpec):
         """The checkpoint's own diffusers scheduler set to this sampling's table (what its
         pipeline steps with), or None for a family without one (the embedded tiny models)."""

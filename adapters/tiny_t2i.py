@@ -226,8 +226,11 @@ class TinyT2IFamily(ModelFamily):
         (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
 
     def to_inference_form(self, transformer: nn.Module) -> nn.Module:
-        """The packed layout the vLLM-Omni engine serves (a converted copy)."""
+        """The packed layout (fused q/k/v, fc1 in 2 shards ordered (1, 0)): a converted copy."""
         return inference_form.to_inference_form(transformer, self.packed_lora_map)
+
+    def packed_form(self, component: str, transformer: nn.Module):
+        return self.to_inference_form(transformer), self.packed_lora_map
 
 
 __all__ = ["ENCODER", "SHIPPED_WEIGHTS", "SD3StyleDenoiser", "TinyT2IConfig", "TinyT2IFamily",

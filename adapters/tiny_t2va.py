@@ -341,7 +341,11 @@ class TinyT2VAFamily(ModelFamily):
         (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
 
     def to_inference_form(self, transformer: nn.Module) -> nn.Module:
+        """The packed layout (fused q/k/v, fc1 in 2 shards ordered (1, 0)): a converted copy."""
         return inference_form.to_inference_form(transformer, self.packed_lora_map)
+
+    def packed_form(self, component: str, transformer: nn.Module):
+        return self.to_inference_form(transformer), self.packed_lora_map
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -74,5 +74,8 @@ class RolloutConfig(_Config):
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: str = Field("float32", description="Weights dtype of the transformer(s) (float32, "
                        "bfloat16, float16); sampler math and trajectories stay fp32.")
+    packed_inference_form: bool = Field(False, description="Serve fused q/k/v and sharded fc1 "
+                                        "(the family's packed form; LoRA through its packed "
+                                        "map) instead of the training form.")
     limits: EngineLimits = Field(default_factory=EngineLimits)
     ar: ARModelConfig = Field(default_factory=ARModelConfig)

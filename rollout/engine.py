@@ -46,14 +46,17 @@ class EmbeddedEngine:
 
     def __init__(self, family: ModelFamily, models: Mapping[str, torch.nn.Module],
                  media_modules: Mapping[str, torch.nn.Module] | None = None,
-                 limits: EngineLimits | None = None, device: str = "cpu"):
+                 limits: EngineLimits | None = None, device: str = "cpu",
+                 lora_maps: Mapping[str, LoRATargetMap] | None = None):
+        """lora_maps: where training-named LoRA tensors land per transformer; None = the
+        identity over the family's targets (the training form is served as it is)."""
         self.family = family
         self.limits = limits or EngineLimits()
         self.device = torch.device(device)
         self.models = {name: m.to(self.device).eval() for name, m in models.items()}
         self.media_modules = dict(media_modules or {})
-        maps = {name: LoRATargetMap.identity(family.spec.lora_targets[name])
-                for name in self.models}
+        maps = dict(lora_maps) if lora_maps is not None else \
+            {name: LoRATargetMap.identity(family.spec.lora_targets[name]) for name in self.models}
         self.slots = LoRASlotGroup(self.models, maps, self.limits.max_resident_lora_versions)
         self._cv = threading.Condition()
         self._intake: list[tuple[EngineRequest, concurrent.futures.Future, float]] = []

@@ -26,7 +26,12 @@ def _build_embedded(config: RolloutConfig, family: ModelFamily) -> DiffusionEngi
     media (a VAE) when the family has conditioned tasks. No text encoder, no decoder."""
     models = family.load_transformers(config.dtype, config.device)
     media = family.load_media_encoders(config.dtype, config.device)
-    return EmbeddedEngine(family, models, media, config.limits, config.device)
+    maps = None
+    if config.packed_inference_form:                # fused q/k/v + sharded fc1, one copy
+        packed = {name: family.packed_form(name, model) for name, model in models.items()}
+        models = {name: module for name, (module, _) in packed.items()}
+        maps = {name: lora_map for name, (_, lora_map) in packed.items()}
+    return EmbeddedEngine(family, models, media, config.limits, config.device, maps)
 
 
 def _build_vllm_omni(config: RolloutConfig, family: ModelFamily) -> DiffusionEngine:

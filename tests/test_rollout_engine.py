@@ -233,3 +233,32 @@ def test_dpm2_runs_every_step_with_its_history_and_matches_a_plain_loop(t2i):
             x, history = out.prev_sample, out.history
     assert result.trajectory.log_probs.shape == (2, 0) and result.trajectory.window == (0, 0)
     assert (result.latents["image_latent"].data - x).abs().max() <= 1e-4
+
+
+def test_packed_inference_form_serves_the_same_samples_and_loras(t2i):
+    """rollout.packed_inference_form: fused q/k/v + sharded fc1 with LoRA through the family's
+    packed map give the training form's samples, base and LoRA version alike."""
+    import copy
+    adapter, models, *_ = t2i
+    packed, lora_map = adapter.packed_form("transformer", copy.deepcopy(models["transformer"]))
+    plain = _engine(t2i)
+    fused = EmbeddedEngine(adapter, {"transformer": packed}, {}, EngineLimits(),
+                           lora_maps={"transformer": lora_map})
+    torch.manual_seed(1)
+    tensors = {}
+    for name, module in models["transformer"].named_modules():
+        if name.endswith(("attn.to_q", "attn.to_v", "ff.net.0.proj")):
+            tensors[f"{name}.lora_A.weight"] = torch.randn(2, module.in_features) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 2) * 0.2
+    try:
+        for engine in (plain, fused):
+            engine.load_lora("v1", tensors, scale=1.5)
+        for version in ("base", "v1"):
+            a, b = (_wait([e.submit(_req(t2i, seeds=(8, 9), steps=4, version=version))])[0]
+                    for e in (plain, fused))
+            diff = a.latents["image_latent"].data - b.latents["image_latent"].data
+            assert diff.abs().max() <= 1e-4, version
+            assert (a.trajectory.log_probs - b.trajectory.log_probs).abs().max() <= 1e-4
+    finally:
+        _shutdown(plain)
+        _shutdown(fused)

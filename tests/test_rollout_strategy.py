@@ -143,3 +143,19 @@ def test_ar_rejects_wrong_task_and_bad_ids(ar):
                                                sampling=SamplingSpec(seeds=(1,)),
                                                task=Task.TEXT)))
     assert err.value.field == "prompt.token_ids"
+
+
+def test_packed_form_is_a_declared_option(tiny_checkpoint):
+    from adapters.registry import get_family
+    from rollout.strategy import _build_embedded
+    engine = _build_embedded(RolloutConfig(packed_inference_form=True), get_family("tiny_t2i"))
+    try:
+        assert any(n.endswith("attn.to_qkv") for n, _ in
+                   engine.models["transformer"].named_modules())
+    finally:
+        asyncio.run(engine.shutdown())
+    from contract import ConfigError
+    with pytest.raises(ConfigError) as err:       # a family without a packed form says so
+        build_strategy(RolloutConfig(adapter="sd3", weights_path=str(tiny_checkpoint("sd3")),
+                                     packed_inference_form=True), RequestLimits())
+    assert err.value.field == "rollout.packed_inference_form"
