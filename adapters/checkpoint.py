@@ -81,18 +81,25 @@ def read_json(root: str | Path, subfolder: str, name: str) -> dict[str, Any]:
 
 
 def component_class(index: dict[str, Any], component: str, root: Path) -> type:
-    """The class model_index.json names for `component` (diffusers or transformers only)."""
+    """The class model_index.json names for `component`: from diffusers, transformers or a
+    diffusers pipeline package (as DiffusionPipeline.from_pretrained resolves it)."""
     entry = index.get(component)
     if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
         raise ConfigError("model_index.json does not declare this component",
                           field=f"weights_path.{component}",
                           expected="[library, class]", actual=entry)
     library, name = entry
-    if library not in LIBRARIES:
-        raise ConfigError("component library is not one this project loads",
-                          field=f"weights_path.{component}", expected=list(LIBRARIES),
-                          actual=library)
-    cls = getattr(importlib.import_module(library), name, None)
+    if library in LIBRARIES:
+        module = importlib.import_module(library)
+    else:       # a class a diffusers pipeline package defines (LTX-2: ["ltx2", "LTX2Vocoder"]),
+        import diffusers.pipelines as pipelines      # resolved as DiffusionPipeline does
+        module = getattr(pipelines, library, None)
+        if module is None:
+            raise ConfigError("component library is not one this project loads",
+                              field=f"weights_path.{component}",
+                              expected=[*LIBRARIES, "a diffusers pipeline package"],
+                              actual=library)
+    cls = getattr(module, name, None)
     if cls is None:
         raise ConfigError(f"{library} has no class {name}", field=f"weights_path.{component}",
                           actual=name)

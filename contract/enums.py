@@ -27,6 +27,7 @@ class Layout(str, Enum):
     LATENT_CHW = "latent:CHW"     # image latent
     LATENT_CTHW = "latent:CTHW"   # video latent (channels, frames, h, w)
     LATENT_CL = "latent:CL"       # audio latent (channels, length)
+    LATENT_CLM = "latent:CLM"     # audio latent (channels, length, latent mel bins)
     TOKENS = "tokens:ND"          # packed model-native token latent (tokens, dim)
 
     @property
@@ -40,7 +41,8 @@ class Layout(str, Enum):
 
 _LAYOUT_NDIM = {
     Layout.CHW: 3, Layout.TCHW: 4, Layout.CT: 2,
-    Layout.LATENT_CHW: 3, Layout.LATENT_CTHW: 4, Layout.LATENT_CL: 2, Layout.TOKENS: 2,
+    Layout.LATENT_CHW: 3, Layout.LATENT_CTHW: 4, Layout.LATENT_CL: 2, Layout.LATENT_CLM: 3,
+    Layout.TOKENS: 2,
 }
 
 # Decoded layout each modality must use (normalised once, RFC 4.5).
@@ -85,6 +87,7 @@ class Task(str, Enum):
     FL2VA = "fl2va"   # first/last frame + text -> video + audio
     T2V = "t2v"       # text -> video (no audio)
     I2V = "i2v"       # first frame + text -> video (no audio)
+    I2VA = "i2va"     # first frame + text -> video + audio
     TEXT = "text"     # autoregressive text generation (AR strategy)
 
 
