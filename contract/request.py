@@ -213,7 +213,8 @@ class RolloutRequest:
 
 
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
-_VIDEO_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA)   # tasks whose `image` condition is the first frame
+# tasks whose `image` condition is the first frame
+_VIDEO_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA)
 
 
 def _as_tensor(data: torch.Tensor | np.ndarray, field_name: str, request_id: str) -> torch.Tensor:
