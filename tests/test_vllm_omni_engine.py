@@ -208,3 +208,40 @@ def test_importing_the_project_does_not_import_vllm():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_checkpoint_family_runs_the_same_step_under_vllm_omni(tiny_checkpoint, tmp_path):
+    """The tiny SD3 checkpoint through the vLLM-Omni engine (fake AsyncOmni, the real
+    RolloutPipeline) samples what the embedded engine samples; its folder resolves to an
+    architecture the wheel registers (tests/test_vllm_omni_wheel_contract.py)."""
+    from adapters.registry import get_family
+    from contract import ConfigError
+    from rollout.engine import EmbeddedEngine
+    from rollout.vllm_omni.engine import check_architecture
+    root = str(tiny_checkpoint("sd3"))
+    family = get_family("sd3", root)
+    encoders = family.load_encoders()
+    bundle = family.conditioner.tokenize(["a red circle"], ["blurry"])[0]
+    sampling = SamplingSpec(num_steps=3, seeds=(1, 2), height=32, width=48,
+                            guidance_scale=2.0)
+    request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.T2I)
+    cond = family.conditioner.encode(encoders, [bundle])
+    negative = family.conditioner.encode(encoders, [bundle.negative])
+    lowered = EngineRequest(request=request, cond=cond, negative=negative,
+                            latent_artifacts=("image_latent",), media={},
+                            policy_version="base")
+    vllm = VllmOmniEngine.create("sd3", root, api=fake_api(), dtype=torch.float32,
+                                 lora_root=str(tmp_path / "loras"))
+    embedded = EmbeddedEngine(family, family.load_transformers(), {})
+    try:
+        a = asyncio.run(vllm.generate(lowered))
+        b = asyncio.run(embedded.generate(lowered))
+    finally:
+        asyncio.run(vllm.shutdown())
+        asyncio.run(embedded.shutdown())
+    assert (a.latents["image_latent"].data - b.latents["image_latent"].data).abs().max() <= 1e-5
+    assert (a.trajectory.log_probs - b.trajectory.log_probs).abs().max() <= 1e-5
+    family.pipeline_class = "SomeOtherPipeline"
+    with pytest.raises(ConfigError) as err:
+        check_architecture(family)
+    assert err.value.field == "rollout.engine"

@@ -126,3 +126,15 @@ def test_custom_pipeline_hooks_the_engine_relies_on(wheel):
     assert "resolve_obj_by_qualname(custom_pipeline_name)" in loader
     formatter = wheel.read("vllm_omni/diffusion/output_formatter.py").decode()
     assert '"output"' in formatter and 'mm_output["metadata"]' in formatter
+
+
+def test_every_served_checkpoint_architecture_is_registered(wheel):
+    """A checkpoint folder reaches vLLM-Omni through its model_index.json `_class_name`: each
+    family the project serves there must be a key of the wheel's diffusion model registry."""
+    from rollout.vllm_omni.api import REGISTRY_MODULE, REGISTRY_TABLE, SERVED_ARCHITECTURES
+    tree = _module_tree(wheel, REGISTRY_MODULE)
+    table = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(getattr(t, "id", None) == REGISTRY_TABLE for t in node.targets))
+    keys = {k.value for k in table.keys if isinstance(k, ast.Constant)}
+    missing = [a for a in SERVED_ARCHITECTURES if a not in keys]
+    assert not missing, missing

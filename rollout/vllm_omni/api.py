@@ -89,6 +89,16 @@ REAL_API: tuple[ApiName, ...] = tuple(
 LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
 
 
+# Architectures vLLM-Omni resolves a checkpoint folder to (model_index.json `_class_name`), one
+# per checkpoint family the project serves on it; checked against the wheel's registry
+# (`vllm_omni/diffusion/registry.py::_DIFFUSION_MODELS`) by the wheel-contract test.
+REGISTRY_MODULE = "vllm_omni.diffusion.registry"
+REGISTRY_TABLE = "_DIFFUSION_MODELS"
+SERVED_ARCHITECTURES: tuple[str, ...] = (
+    "StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline", "WanImageToVideoPipeline",
+    "LTX2Pipeline")
+
+
 def load_real_api() -> SimpleNamespace:
     """Import the real classes (GPU machines with the `vllm` extra installed)."""
     def get(module: str, name: str):

@@ -23,11 +23,22 @@ from adapters.lora_targets import LoRATargetMap
 from contract import (ConfigError, PolicyVersionError, ReplicaFailedError,
                       RequestCancelledError)
 from rollout.engine_api import EngineRequest, EngineResult
+from rollout.vllm_omni.api import SERVED_ARCHITECTURES
 from rollout.vllm_omni.lora import check_lora_tensors, lora_module_shapes, write_peft_dir
 from rollout.vllm_omni.lowering import lower_prompt, lower_sampling_kwargs, normalize_output
 
 BASE_VERSION = "base"
 PIPELINE_CLASS = "rollout.vllm_omni.pipeline.RolloutPipeline"
+
+
+def check_architecture(family: ModelFamily) -> None:
+    """A checkpoint family's folder must resolve to an architecture vLLM-Omni registers (its
+    model_index.json `_class_name`); the embedded tiny families write their own index."""
+    cls = getattr(family, "pipeline_class", None)
+    if cls is not None and cls not in SERVED_ARCHITECTURES:
+        raise ConfigError("vLLM-Omni does not register this checkpoint's pipeline class",
+                          field="rollout.engine", expected=list(SERVED_ARCHITECTURES),
+                          actual=cls)
 
 
 def served_lora_map(family: ModelFamily) -> LoRATargetMap:
@@ -61,6 +72,7 @@ class VllmOmniEngine:
 
         api = api or load_real_api()
         adapter = get_family(adapter_name, model_path)
+        check_architecture(adapter)
         transformer = adapter.load("transformer")      # LoRA targets for load_lora checks
         modules = lora_module_shapes(transformer, served_lora_map(adapter))
         del transformer
