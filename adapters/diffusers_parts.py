@@ -33,6 +33,11 @@ T5_ETP_PLAN = ETPPlan(
     vocab="shared", heads="num_heads",
     local_heads=("layer.0.SelfAttention.n_heads", "layer.0.SelfAttention.inner_dim"))
 
+# UMT5 (Wan's text encoder) has T5's module names; unlike T5, whose first layer alone holds the
+# relative position bias, every UMT5 layer carries its own `relative_attention_bias` (buckets x
+# heads), which the same plan column-splits by heads in every layer.
+UMT5_ETP_PLAN = T5_ETP_PLAN
+
 
 def tokenizer_max_length(root: Path, subfolder: str, default: int = 77) -> int:
     """A tokenizer's model_max_length from its tokenizer_config.json (no tokenizer loaded)."""
@@ -116,8 +121,11 @@ FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 class FlowSchedule:
     """The checkpoint's FlowMatchEulerDiscreteScheduler, used only to compute sigma tables."""
 
-    def __init__(self, root: Path):
-        self.config = read_json(root, "scheduler", "scheduler_config.json")
+    def __init__(self, root: Path, config: Mapping | None = None):
+        """`config`: a FlowMatchEulerDiscreteScheduler config a family derived from the
+        checkpoint's own (Wan from a UniPC config), instead of scheduler_config.json."""
+        self.config = dict(config) if config is not None else \
+            read_json(root, "scheduler", "scheduler_config.json")
         name = self.config.get("_class_name")
         if name != FLOW_SCHEDULER:
             raise ConfigError("the project samples flow-matching checkpoints with their "

@@ -34,18 +34,26 @@ def _flux(root, options):
     return FluxFamily(root, options)
 
 
+def _wan(root, options):
+    from adapters.wan import WanFamily
+    return WanFamily(root, options)
+
+
 # each builder imports its family module only when that family is asked for
 FAMILIES: dict[str, Callable[[str | Path | None, Mapping | None], ModelFamily]] = {
     "tiny_t2i": _tiny_t2i,
     "tiny_t2va": _tiny_t2va,
     "sd3": _sd3,
     "flux": _flux,
+    "wan": _wan,
 }
 
 # model_index.json `_class_name` -> family name (what `adapter: auto` resolves)
 PIPELINE_CLASSES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
 }
 
 EMBEDDED = ("tiny_t2i", "tiny_t2va")     # families that ship their weights (path optional)

@@ -26,7 +26,7 @@ import torch
 from adapters.checkpoint import load_component
 from adapters.registry import get_family
 from contract import (ConfigError, InvalidRequestError, RequestLimits, RolloutRequest,
-                      SamplerKind, SamplingSpec, Task)
+                      SamplerKind, SamplingSpec)
 from diffusion.noise import initial_noise
 from diffusion.step import doubles_rows
 from rollout.engine import EmbeddedEngine
@@ -62,6 +62,11 @@ class FamilyConformance:
     def pipeline_call(self, pipe, x0: torch.Tensor, output_type: str) -> Any:
         raise NotImplementedError
 
+    def request_media(self) -> tuple | None:
+        """Condition media (contract.MediaInput) of the parity request; the family's first task
+        is requested with them (None: a text-only task)."""
+        return None
+
     def decoded_from_pipeline(self, result) -> torch.Tensor:
         """uint8 decoded media from the pipeline's `output_type="np"` result."""
         images = torch.from_numpy((result.images * 255).round().astype("uint8"))
@@ -95,7 +100,8 @@ class FamilyConformance:
         conditioner = fam.conditioner
         negatives = [NEGATIVE] if self.negative else None
         bundle = conditioner.tokenize([prompt], negatives)[0]
-        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.T2I)
+        request = RolloutRequest(prompt=bundle, sampling=sampling,
+                                 task=next(iter(fam.spec.tasks)), media=self.request_media())
         media = fam.validate_request(request, RequestLimits())
         cond = conditioner.encode(encoders, [bundle])
         negative = None
@@ -128,11 +134,14 @@ class FamilyConformance:
         theirs = self.pipeline_call(pipe, x0.clone(), "latent")
         for name, value in self.latents_of(theirs).items():
             diff = float((ours[name] - value).abs().max())
+            print(f"{self.checkpoint} {name}: max |ours - pipeline| = {diff:.3g}")
             assert diff <= 1e-4 and float(value.abs().mean()) > 0.1, (name, diff)
         decoded = self.decode_all(fam, ours, sampling)
         reference = self.decoded_from_pipeline(self.pipeline_call(pipe, x0.clone(), "np"))
         assert decoded.dtype == torch.uint8 and decoded.shape == reference.shape
-        assert int((decoded.int() - reference.int()).abs().max()) <= 1
+        levels = int((decoded.int() - reference.int()).abs().max())
+        print(f"{self.checkpoint} decoded: max |ours - pipeline| = {levels} levels")
+        assert levels <= 1
 
     def latents_of(self, result) -> dict[str, torch.Tensor]:
         return {"image_latent": result.images}
@@ -207,7 +216,7 @@ class FamilyConformance:
         shutil.copytree(root, broken)
         shutil.rmtree(broken / "vae")
         with pytest.raises(ConfigError) as err:
-            get_family(self.family, broken).load_decoder("image_latent")
+            get_family(self.family, broken).load_decoder(next(iter(fam.spec.decoders)))
         assert "vae" in str(err.value)
         index = json.loads((root / "model_index.json").read_text())
         other = tmp_path / "other"
