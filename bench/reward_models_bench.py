@@ -1,6 +1,6 @@
 """Reward-model throughput and memory: one-at-a-time vs batched calls per scorer, in one run.
 
-    python -m bench.reward_models_bench [--batch 8] [--threads 2] [--only pickscore ocr]
+    python -m bench.reward_models_bench [--batch 4] [--threads 2] [--only pickscore ocr]
 -> bench/results/reward_models.json + bench/results/reward_models.png
 
 Each scorer runs in its own fresh process (so its memory is its own): the checkpoint is written
@@ -136,7 +136,8 @@ def measure(name: str, batch: int, threads: int, queue) -> None:
     t_batched = time.perf_counter() - t0
     key = scorer.primary
     drift = max(abs(s.scores[key][0] - b) for s, b in zip(singles, batched.scores[key]))
-    queue.put({"name": name, "load_s": load_s, "batch1_samples_per_s": batch / t_single,
+    queue.put({"name": name, "batch": batch, "load_s": load_s,
+               "batch1_samples_per_s": batch / t_single,
                "batched_samples_per_s": batch / t_batched, "speedup": t_single / t_batched,
                "batch1_total_s": t_single, "batched_total_s": t_batched,
                "max_abs_score_diff_batch_vs_single": drift,
@@ -177,7 +178,7 @@ def plot(results: dict, batch: int, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args()

@@ -67,7 +67,8 @@ class AestheticScorer:
         self._dtype = dtype
         state = load_torch_file(config.head_path, f"{self.name}.head_path")
         if not isinstance(state, dict):
-            raise ConfigError("the head file must hold a state dict", field=f"{self.name}.head_path",
+            raise ConfigError("the head file must hold a state dict",
+                              field=f"{self.name}.head_path",
                               actual=type(state).__name__)
         self._head: LinearMLPHead = load_mlp_head(state, vision.config.projection_dim,
                                                   f"{self.name}.head_path").to(config.device)

@@ -3,7 +3,8 @@
 Both checkpoints store the same module (the improved-aesthetic-predictor layout, which ImageReward
 reuses): `layers` = Linear(d, 1024), Dropout, Linear(1024, 128), Dropout, Linear(128, 64),
 Dropout, Linear(64, 16), Linear(16, 1) -- no activations between the linear layers, so in
-evaluation the head is one affine map of its input. State-dict keys: layers.{0,2,4,6,7}.{weight,bias}.
+evaluation the head is one affine map of its input.
+State-dict keys: layers.{0,2,4,6,7}.{weight,bias}.
 """
 from __future__ import annotations
 

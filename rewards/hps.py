@@ -48,7 +48,8 @@ class HPSv2Scorer:
         if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
             raise ConfigError("not an HPS checkpoint (a dict with 'state_dict')", field=field,
                               expected=["state_dict"],
-                              actual=sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__)
+                              actual=sorted(ckpt)[:8] if isinstance(ckpt, dict)
+                              else type(ckpt).__name__)
         try:
             if config.model_cfg is not None:
                 model = open_clip.CLIP(**config.model_cfg)

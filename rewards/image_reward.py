@@ -152,7 +152,8 @@ class ImageRewardScorer:
             self._tokenizer = tokenizer_with_specials(config.tokenizer_dir)
         except (OSError, ValueError) as e:
             raise ConfigError(f"could not load the BERT tokenizer: {e}",
-                              field=f"{self.name}.tokenizer_dir", actual=config.tokenizer_dir) from e
+                              field=f"{self.name}.tokenizer_dir",
+                              actual=config.tokenizer_dir) from e
         if len(self._tokenizer) != med["vocab_size"]:
             raise ConfigError("tokenizer (+ [DEC], [ENC]) and med_config vocab_size differ",
                               field=f"{self.name}.tokenizer_dir", expected=med["vocab_size"],
@@ -161,7 +162,8 @@ class ImageRewardScorer:
         if not isinstance(state, dict) or not any(k.startswith("blip.") for k in state):
             raise ConfigError("not an ImageReward checkpoint (blip.* / mlp.* keys)",
                               field=f"{self.name}.checkpoint",
-                              actual=sorted(state)[:8] if isinstance(state, dict) else type(state).__name__)
+                              actual=sorted(state)[:8] if isinstance(state, dict)
+                              else type(state).__name__)
         self._vision, self._text = build_blip(config.vision, med)
         self._load(state)
         self._vision.to(config.device).requires_grad_(False)
@@ -209,7 +211,8 @@ class ImageRewardScorer:
             image_embeds = self._vision(pixel_values=x).last_hidden_state
             tok = self._tokenizer(list(request.prompts[start:start + cfg.max_batch]),
                                   padding="max_length", truncation=True,
-                                  max_length=cfg.max_text_tokens, return_tensors="pt").to(cfg.device)
+                                  max_length=cfg.max_text_tokens,
+                                  return_tensors="pt").to(cfg.device)
             atts = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=cfg.device)
             hidden = self._text(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
                                 encoder_hidden_states=image_embeds, encoder_attention_mask=atts,

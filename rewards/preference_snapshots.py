@@ -21,8 +21,9 @@ import torch
 # transformers CLIPConfig kwargs at toy size (image 32, patch 8).
 TINY_HF_CLIP = {"text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                 "num_attention_heads": 2, "max_position_embeddings": 77},
-                "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                                  "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                "vision_config": {"hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2,
+                                  "image_size": 32, "patch_size": 8},
                 "projection_dim": 16}
 
 # ImageReward: BLIP ViT dims (the real one is ViT-L/16 at 224) and a BERT med_config at toy size.
@@ -151,7 +152,8 @@ def write_bert_tokenizer_dir(path: str | Path) -> str:
 def write_image_reward_dir(path: str | Path, vision: dict[str, Any] | None = None,
                            med_config: dict[str, Any] | None = None, seed: int = 0) -> dict:
     """ImageReward.pt + med_config.json + tokenizer/ in `path`; returns the scorer params."""
-    from rewards.image_reward import BlipDims, build_blip, to_blip_state_dict, tokenizer_with_specials
+    from rewards.image_reward import (BlipDims, build_blip, to_blip_state_dict,
+                                      tokenizer_with_specials)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

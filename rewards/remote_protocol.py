@@ -5,7 +5,8 @@ Request (POST, application/json):
      "metadata": [{str: JSON value}] * B,                       # per-sample prompt metadata
      "media": {name: {"modality": "image", "format": "png", "items": [b64 PNG] * B}
                    | {"modality": "video", "format": "png", "fps": f, "items": [[b64 PNG] * T] * B}
-                   | {"modality": "audio", "format": "wav", "sample_rate": r, "items": [b64 WAV] * B}}}
+                   | {"modality": "audio", "format": "wav", "sample_rate": r,
+                      "items": [b64 WAV] * B}}}
 Response (200, application/json):
     {"scores": {score name: [float | null] * B},
      "status": ["ok" | "failed"] * B,  "reasons": [str | null] * B,   # optional: all ok

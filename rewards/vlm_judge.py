@@ -124,7 +124,8 @@ class VLMJudgeScorer:
         cfg = self.config
         match = self._pattern.search(answer)
         if match is None:
-            return None, f"judge answer has no score matching {cfg.score_pattern!r}: {answer[:200]!r}"
+            return None, (f"judge answer has no score matching {cfg.score_pattern!r}: "
+                          f"{answer[:200]!r}")
         try:
             value = float(match.group(1))
         except ValueError:

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from contract import ArtifactHandle, ArtifactSpec, ConfigError, MediaArtifact, StageOutput
+from contract import ArtifactHandle, ConfigError, StageOutput
 from deployments.config import ScorerStage, ScorerStageOptions, load_graph_config
 from tests.test_rewards_ocr import batch as text_images
 from tests.test_rewards_ocr import meta
@@ -57,7 +56,8 @@ def test_scorer_runs_in_its_own_runtime_env(ray_cluster):
         pytest.skip("package index not reachable: runtime_env pip cannot install")
     spec = ScorerStage(name="ocr_jaro", inputs=("image",),
                        scorer={"kind": "external",
-                               "params": {"target": "tests.isolated_scorers.jaro_ocr:JaroOcrScorer"}},
+                               "params": {
+                                   "target": "tests.isolated_scorers.jaro_ocr:JaroOcrScorer"}},
                        stage={"num_cpus": 0.5, "runtime_env": {
                            "pip": [PACKAGE], "env_vars": {"OMNI_SCORER_ENV": "isolated"}}})
     app = serve.deployment(ScorerServer, **spec.stage.deployment_options("Scorer_ocr_jaro")

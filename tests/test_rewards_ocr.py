@@ -1,4 +1,4 @@
-"""OCR scorer with the real PP-OCRv4 weights shipped in rapidocr-onnxruntime, on PIL-rendered text."""
+"""OCR scorer with the real PP-OCRv4 weights shipped in rapidocr-onnxruntime, on rendered text."""
 from __future__ import annotations
 
 import itertools

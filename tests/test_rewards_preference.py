@@ -150,7 +150,8 @@ def test_hps_formula(scorers, checkpoints):
 def _blip_vit_reference(sd, x, heads):
     """BLIP's ViT written out from the checkpoint tensors (pre-norm blocks, exact GELU, LN 1e-6)."""
     p = "blip.visual_encoder."
-    ln = lambda t, k: F.layer_norm(t, t.shape[-1:], sd[p + k + ".weight"], sd[p + k + ".bias"], 1e-6)
+    ln = lambda t, k: F.layer_norm(t, t.shape[-1:], sd[p + k + ".weight"],  # noqa: E731
+                                   sd[p + k + ".bias"], 1e-6)
     lin = lambda t, k: t @ sd[p + k + ".weight"].T + sd[p + k + ".bias"]
     h = F.conv2d(x, sd[p + "patch_embed.proj.weight"], sd[p + "patch_embed.proj.bias"],
                  stride=sd[p + "patch_embed.proj.weight"].shape[-1]).flatten(2).transpose(1, 2)

@@ -60,7 +60,8 @@ def test_scores_are_the_models_answers(vlm):
     from PIL import Image
     sent = np.asarray(Image.open(io.BytesIO(png)))
     assert np.array_equal(sent, arts["image"].data[0].permute(1, 2, 0).numpy())
-    assert "a red cat" in text_part["text"] and body["structured_outputs"] == {"choice": list(DIGITS)}
+    assert "a red cat" in text_part["text"]
+    assert body["structured_outputs"] == {"choice": list(DIGITS)}
     assert scorer.score(ScoreRequest(arts, prompts)).scores == out.scores      # deterministic
 
 

@@ -103,8 +103,9 @@ class TinyVLMServer:
                 return JSONResponse({"error": {"message": str(e), "type": "BadRequest"}},
                                     status_code=400)
             self.answers.append(answer)
-            return JSONResponse({"id": f"chatcmpl-{len(self.answers)}", "object": "chat.completion",
-                                 "model": self.model_name,
+            message = {"role": "assistant", "content": answer}
+            return JSONResponse({"id": f"chatcmpl-{len(self.answers)}",
+                                 "object": "chat.completion", "model": self.model_name,
                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": answer}}]})
+                                              "message": message}]})
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
