@@ -53,7 +53,7 @@ def trainer_config(tmp_path, family, config, algorithm: Algorithm, **over):
            "lora": {"rank": 2, "alpha": 4}, "nft": {"train_timesteps": 1},
            "dpo": {"draws_per_pair": 1}, "pipeline": {"mode": "serial", "max_staleness": 1},
            "eval": {"every": 2, "num_prompts": 2, "samples_per_prompt": 1, "num_steps": 3},
-           "run_dir": str(tmp_path / algorithm.value), "checkpoint_every": 0, "gallery": False}
+           "run_dir": str(tmp_path / algorithm.value), "checkpoint_every": 100, "gallery": False}
     cfg.update(over)
     return load_trainer_config(cfg)
 

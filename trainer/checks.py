@@ -22,7 +22,7 @@ import torch
 from contract import (GuidanceKind, PromptBundle, RolloutOutput, SamplerKind, StartupCheckError,
                       TimeConvention)
 from diffusion.noise import initial_noise
-from diffusion.step import Guidance, denoise_step
+from diffusion.step import Guidance, denoise_step, doubles_rows
 from trainer.algorithms import recompute_step
 from trainer.learner import Learner
 from trainer.lora import PolicyRole, lora_layers, use_policy
@@ -68,8 +68,8 @@ def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[
         x_next_true = (1 - (s - 0.25)) * x0 + (s - 0.25) * eps         # sigma convention
         steps = {}
         for conv in (declared, other):
-            with learner.policy(PolicyRole.REFERENCE):
-                out = denoise_step(_Convention(denoiser, conv), learner.models, x, sigma,
+            with learner.policy(PolicyRole.REFERENCE) as models:
+                out = denoise_step(_Convention(denoiser, conv), models, x, sigma,
                                    sigma - 0.25, cond, Guidance.none(rows), SamplerKind.ODE, 0.0)
             steps[conv] = out.prev_sample
         cos_d = _cos(steps[declared] - x, x_next_true - x)
@@ -105,16 +105,16 @@ def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBu
     media = {k: v.expand(rows, *v.shape[1:]) for k, v in inputs.items()} or None
     guidance = learner.guidance(rows, 1.0, None)
     worst_time = worst_step = 0.0
-    with learner.policy(PolicyRole.REFERENCE):
+    with learner.policy(PolicyRole.REFERENCE) as models:
         for i in range(sampling.num_steps):
             sigma, sigma_next = sigmas[i].expand(rows), sigmas[i + 1].expand(rows)
-            ours = denoise_step(denoiser, learner.models, x, sigma, sigma_next, cond, guidance,
+            ours = denoise_step(denoiser, models, x, sigma, sigma_next, cond, guidance,
                                 SamplerKind.ODE, 0.0, media=media).prev_sample
             t = scheduler.timesteps[i]
             time = denoiser.model_time_scale * (sigma if denoiser.time_convention ==
                                                 TimeConvention.NOISE_LEVEL else 1 - sigma)
             embedded = guidance.scale if guidance.kind is GuidanceKind.EMBEDDED else None
-            raw = denoiser.forward(learner.models, x, sigma, t.expand(rows), cond, media,
+            raw = denoiser.forward(models, x, sigma, t.expand(rows), cond, media,
                                    embedded)
             theirs = scheduler.step(raw.float(), t, x, return_dict=False)[0]
             worst_time = max(worst_time, float((time - t).abs().max()))
@@ -167,15 +167,21 @@ def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
     """Local ODE rollout with the project's noise, schedule and step function: (P*G, *S)."""
     family = learner.family
     group = len(seeds) // len(prompts)
-    cond = learner.encode(prompts).repeat_rows([group] * len(prompts))
+    repeats = [group] * len(prompts)
+    cond = learner.encode(prompts).repeat_rows(repeats)
     x = initial_noise(list(seeds), family.codec.state_shape(sampling))
     sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps}))
-    guidance = learner.guidance(x.shape[0], 1.0, None)
+    uncond = None                                   # guided as the graph's requests were
+    if doubles_rows(family.spec.guidance, sampling.guidance_scale):
+        uncond = learner.uncond(prompts).repeat_rows(repeats)
+    guidance = learner.guidance(x.shape[0], sampling.guidance_scale, uncond)
+    media = {k: v.expand(x.shape[0], *v.shape[1:]) for k, v in
+             family.codec.encode_media(learner.media_modules, sampling, {}).inputs.items()}
     with _reference(models):                                       # merged base weights only
         for i in range(num_steps):
             sigma, sigma_next = sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])
             x = denoise_step(family.denoiser, models, x, sigma, sigma_next, cond, guidance,
-                             SamplerKind.ODE, 0.0).prev_sample
+                             SamplerKind.ODE, 0.0, media=media or None).prev_sample
     return x
 
 
