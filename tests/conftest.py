@@ -33,7 +33,10 @@ def ray_cluster():
     from ray import serve
 
     metrics_port, http_port = free_port(), free_port()
-    ray.init(address="local", num_cpus=12, object_store_memory=512 * 2**20,
+    # `_memory`: the logical memory replicas are scheduled by (their memory_mib), fixed so that
+    # a machine busy at session start cannot leave a graph unschedulable (serve.run would wait
+    # forever); what a replica really holds is bounded by its own guard (deployments/memory.py)
+    ray.init(address="local", num_cpus=12, object_store_memory=512 * 2**20, _memory=48 * 2**30,
              include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              namespace="omni-tests")
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})

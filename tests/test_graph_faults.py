@@ -78,7 +78,8 @@ def test_optional_scorer_failure_is_missing_and_reward_comes_from_the_others(fau
     # the optional scorer raised for this prompt: MISSING with its reason, total from clip alone
     failed = bad.rewards.by_scorer["image_attributes"]
     assert failed.status == (ScoreStatus.MISSING, ScoreStatus.MISSING)
-    assert all(r and "InvalidRequestError" in r for r in failed.reasons), failed.reasons
+    # an optional scorer is not asked to check prompts first: it scores, fails, is MISSING
+    assert all(r and "UnscorableInputError" in r for r in failed.reasons), failed.reasons
     assert failed.scores == {}
     clip_bad = bad.rewards.by_scorer["clip"]
     assert clip_bad.status == (ScoreStatus.OK, ScoreStatus.OK)
