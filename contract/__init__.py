@@ -3,7 +3,7 @@ from contract.artifacts import (ArtifactSpec, IOSpec, MediaArtifact, collect_art
                                 validate_artifact)
 from contract.conditions import Condition, TokenIds
 from contract.enums import (DECODED_LAYOUT, Algorithm, GuidanceKind, Layout, MediaRole, Modality,
-                            Representation, SamplerKind, ScoreStatus, StopReason, Task,
+                            PolicyKind, Representation, SamplerKind, ScoreStatus, StopReason, Task,
                             TimeConvention)
 from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
                              DuplicateInputError,

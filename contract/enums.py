@@ -111,3 +111,10 @@ class Algorithm(str, Enum):
     NFT = "nft"              # DiffusionNFT (forward-process, old-policy rollouts)
     FLOW_GRPO = "flow_grpo"  # clipped surrogate on SDE transition log-probs
     DPO = "dpo"              # Diffusion-DPO on (best, worst) pairs per prompt
+
+
+class PolicyKind(str, Enum):
+    """What a published policy version holds (the trainer's `learner.fine_tune`)."""
+
+    LORA = "lora"            # LoRA A/B tensors + one scale, applied on the base weights
+    FULL = "full"            # every transformer weight: replaces the base weights while active

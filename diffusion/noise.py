@@ -25,6 +25,7 @@ _MASK64 = (1 << 64) - 1
 class NoiseStream(IntEnum):
     INITIAL = 0   # x at sigma = 1
     STEP = 1      # the SDE / CPS noise of step `step_index`
+    TRAIN = 2     # the trainer's draws for a row (trainer/train_noise.py), keyed by its seed
 
 
 def _splitmix64(z: int) -> int:

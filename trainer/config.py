@@ -19,6 +19,7 @@ from deployments.config import GraphConfig, config_error, load_graph_config, rea
 from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode
 from trainer.datasets import DatasetFormat
+from trainer.learner_config import LearnerConfig, check_recipe
 from trainer.lora import LoRATrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +207,7 @@ class TrainerConfig(Model):
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     lora: LoRATrainConfig = Field(default_factory=LoRATrainConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
     nft: NFTConfig = Field(default_factory=NFTConfig)
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
@@ -231,6 +233,7 @@ class TrainerConfig(Model):
                 self.nft.train_timesteps > self.sampler.num_steps:
             raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "
                              f"{self.sampler.num_steps} rollout steps a permutation can visit")
+        check_recipe(self)
         return self
 
     def graph_config(self) -> GraphConfig:

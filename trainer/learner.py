@@ -10,21 +10,20 @@ encoder stage forms it.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from typing import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from adapters.family import ModelFamily
-from adapters.lora_targets import LoRATargetMap
-from contract import (Condition, ConfigError, LoRAMapError, PackedTensors, PromptBundle,
+from contract import (Condition, ConfigError, PackedTensors, PolicyKind, PromptBundle,
                       Representation, SamplingSpec)
 from diffusion.step import Guidance, doubles_rows, predict_velocity
 from trainer.config import OptimizerConfig
-from trainer.lora import (OLD_ADAPTER, TRAIN_ADAPTER, LoRATrainConfig, PolicyRole, attach_lora,
-                          export_lora_packed, lora_layers, lora_scale, trainable_parameters,
-                          use_policy)
+from trainer.learner_config import LearnerConfig
+from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, LoRATrainConfig, PolicyRole
+from trainer.policy_weights import FullWeights, LoRAWeights, PolicyWeights
 
 
 def state_from_latents(family: ModelFamily, latents: Mapping[str, torch.Tensor],
@@ -47,32 +46,66 @@ def state_from_latents(family: ModelFamily, latents: Mapping[str, torch.Tensor],
 
 
 class Learner:
-    """LoRA policy (current / old / reference) on the family's training-form transformer(s)."""
+    """The policy (current / old / reference: LoRA adapters or full weights, `settings.
+    fine_tune`) on the family's training-form transformer(s), on `settings.device` with the
+    transformer weights in `settings.dtype` (trained weights fp32) and the optimizer.
+
+    `collective` is None in one process; a data-parallel worker sets it (trainer/distributed.py)
+    so `step` sums the gradients and `reduce_sums` the metric sums of every worker's shard."""
 
     def __init__(self, family: ModelFamily, transformers: Mapping[str, nn.Module],
                  encoders: Mapping[str, nn.Module], lora: LoRATrainConfig,
                  optimizer: OptimizerConfig, seed: int = 0,
-                 media_modules: Mapping[str, nn.Module] | None = None):
+                 media_modules: Mapping[str, nn.Module] | None = None,
+                 settings: LearnerConfig | None = None):
         self.family = family
-        self.models = {name: m.float().eval() for name, m in transformers.items()}
-        self.encoders = dict(encoders)
-        self.media_modules = dict(media_modules or {})
+        self.settings = settings or LearnerConfig()
+        self.device, self.dtype = self.settings.check_device()
+        kind = self.settings.fine_tune
+        weights_dtype = torch.float32 if kind is PolicyKind.FULL else self.dtype
+        models = {name: m.to(self.device, weights_dtype).eval()
+                  for name, m in transformers.items()}
+        if self.settings.gradient_checkpointing:
+            for name, model in models.items():
+                if not getattr(model, "_supports_gradient_checkpointing", False):
+                    raise ConfigError("this transformer does not support gradient checkpointing",
+                                      field="learner.gradient_checkpointing", expected=False,
+                                      actual=f"{name}: {type(model).__name__}")
+                model.enable_gradient_checkpointing()
+        self.encoders = {k: e.to(self.device) for k, e in encoders.items()}
+        self.media_modules = {k: m.to(self.device) for k, m in (media_modules or {}).items()}
         torch.manual_seed(seed)
-        for name, model in self.models.items():
-            attach_lora(model, LoRATargetMap.identity(family.spec.lora_targets[name]), lora)
+        self.weights: PolicyWeights = (
+            FullWeights(models, self.dtype) if kind is PolicyKind.FULL
+            else LoRAWeights(models, family.spec.lora_targets, lora))
+        self.models = self.weights.models
         if lora.init_from is not None:
             self.load_initial(lora)
-        self.params = [p for m in self.models.values() for p in trainable_parameters(m)]
+        self.params = self.weights.trainable()
         self.max_grad_norm = optimizer.max_grad_norm
         self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=optimizer.betas,
                                            weight_decay=optimizer.weight_decay, eps=optimizer.eps)
+        self.collective: Collective | None = None
+
+    @property
+    def kind(self) -> PolicyKind:
+        return self.weights.kind
 
     @classmethod
     def load(cls, family: ModelFamily, lora: LoRATrainConfig, optimizer: OptimizerConfig,
-             seed: int = 0) -> "Learner":
-        """The learner's components from the checkpoint: transformer(s) + text encoders."""
-        return cls(family, family.load_transformers(), family.load_encoders(), lora, optimizer,
-                   seed, family.load_media_encoders())
+             seed: int = 0, settings: LearnerConfig | None = None,
+             device: str | None = None) -> "Learner":
+        """The learner's components from the checkpoint: transformer(s) + text encoders, loaded
+        straight onto the device in their dtype (a device or dtype the machine lacks fails
+        first, naming the field). `device` overrides `settings.device` (a worker's own GPU)."""
+        settings = settings or LearnerConfig()
+        if device is not None:
+            settings = settings.model_copy(update={"device": device})
+        dev, dtype = settings.check_device()
+        weights_dtype = torch.float32 if settings.fine_tune is PolicyKind.FULL else dtype
+        return cls(family, family.load_transformers(weights_dtype, dev),
+                   family.load_encoders(dtype, dev), lora, optimizer, seed,
+                   family.load_media_encoders(dtype, dev), settings)
 
     def load_initial(self, lora: LoRATrainConfig) -> None:
         """A user's diffusers LoRA file as the trained and the old adapter (the reference stays
@@ -117,7 +150,7 @@ class Learner:
             given = dict(media[i] or {}) if media is not None else {}
             inputs = self.family.codec.encode_media(self.media_modules, sampling, given).inputs
             for name, value in inputs.items():
-                parts.setdefault(name, []).append(value.expand(rows, *value.shape[1:]))
+                parts.setdefault(name, []).append(value.cpu().expand(rows, *value.shape[1:]))
         return {name: torch.cat(values) for name, values in parts.items()}
 
     def guidance(self, rows: int, guidance_scale: float,
@@ -132,72 +165,57 @@ class Learner:
 
     # ---- forwards -----------------------------------------------------------------------------
     @contextmanager
-    def policy(self, role: PolicyRole) -> Iterator[None]:
-        with ExitStack() as stack:
-            for model in self.models.values():
-                stack.enter_context(use_policy(model, role))
-            yield
+    def policy(self, role: PolicyRole) -> Iterator[dict[str, nn.Module]]:
+        """Forwards inside the block run as `role`; yields the modules to run."""
+        with self.weights.use(role) as models:
+            yield models
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition,
                  role: PolicyRole = PolicyRole.CURRENT, guidance_scale: float = 1.0,
                  uncond: Condition | None = None,
                  media: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """v = eps - x0 of `role` at (x, sigma), guided as the rollout guided it. x: (B, *S);
-        sigma: (B,); cond / uncond: B rows. Graph iff CURRENT and grad is enabled."""
+        """v = eps - x0 of `role` at (x, sigma), guided as the rollout guided it, fp32 on the
+        learner's device. x: (B, *S); sigma: (B,); cond / uncond: B rows. Graph iff CURRENT and
+        grad is enabled."""
         guidance = self.guidance(x.shape[0], guidance_scale, uncond)
-        with self.policy(role):
-            return predict_velocity(self.family.denoiser, self.models, x, sigma, cond, guidance,
+        with self.policy(role) as models:
+            return predict_velocity(self.family.denoiser, models, x, sigma, cond, guidance,
                                     media)
 
+    def reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Per-shard metric sums -> the sums over every worker's shard (identity alone)."""
+        return sums if self.collective is None else self.collective.sum_metrics(sums)
+
     def step(self) -> float:
-        """Clip grads, optimizer step, zero grads; returns the pre-clip grad norm."""
+        """Sum the workers' gradients (data parallel), clip, optimizer step, zero grads;
+        returns the pre-clip grad norm."""
+        if self.collective is not None:
+            self.collective.sum_gradients(self.params)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):           # FSDP2: the norm of the sharded gradients
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    # ---- LoRA tensors -------------------------------------------------------------------------
-    def _prefix(self, name: str) -> str:
-        return "" if len(self.models) == 1 else f"{name}."
-
+    # ---- policy tensors (LoRA adapters or full weights) -------------------------------------------
     def export(self, adapter_name: str = TRAIN_ADAPTER) -> tuple[dict[str, torch.Tensor], float]:
         packed, scale = self.export_packed(adapter_name)
         return packed.unpack(), scale
 
     def export_packed(self, adapter_name: str = TRAIN_ADAPTER) -> tuple[PackedTensors, float]:
         """One copy of the adapter's weights into one buffer, ready to publish (names prefixed
-        with their component when the family has several transformers)."""
-        if len(self.models) == 1:
-            model = self.transformer
-            return export_lora_packed(model, adapter_name), lora_scale(model, adapter_name)
-        tensors, scales = {}, set()
-        for name, model in self.models.items():
-            part = export_lora_packed(model, adapter_name).unpack()
-            tensors.update({f"{name}.{k}": v for k, v in part.items()})
-            scales.add(lora_scale(model, adapter_name))
-        if len(scales) != 1:
-            raise LoRAMapError("the transformers' LoRA scales differ", field="lora.scale",
-                               actual=sorted(scales))
-        return PackedTensors.pack(tensors), scales.pop()
+        with their component when the family has several transformers). LoRA: A/B + alpha / r;
+        full: every transformer weight + 1.0."""
+        return self.weights.export_packed(adapter_name)
 
     def load_adapter(self, adapter_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy exported tensors into one adapter, every layer exactly once."""
-        seen = set()
-        with torch.no_grad():
-            for component, model in self.models.items():
-                prefix = self._prefix(component)
-                for name, layer in lora_layers(model):
-                    for part in ("lora_A", "lora_B"):
-                        key = f"{prefix}{name}.{part}.weight"
-                        if key not in tensors:
-                            raise LoRAMapError("LoRA tensors lack a layer", field=f"lora[{key}]",
-                                               actual=sorted(tensors)[:3])
-                        getattr(layer, part)[adapter_name].weight.copy_(tensors[key])
-                        seen.add(key)
-        extra = sorted(set(tensors) - seen)
-        if extra:
-            raise LoRAMapError("LoRA tensors name modules the model does not carry",
-                               field="lora", actual=extra[:5])
+        """Copy exported tensors into one adapter ("default" / "old"), every tensor once."""
+        self.weights.load(adapter_name, tensors)
+
+    def refresh_old(self, decay: float) -> None:
+        """old <- decay * old + (1 - decay) * current (DiffusionNFT's soft update)."""
+        self.weights.refresh_old(decay)
 
     @contextmanager
     def as_old(self, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
@@ -208,3 +226,11 @@ class Learner:
             yield
         finally:
             self.load_adapter(OLD_ADAPTER, saved)
+
+
+class Collective(Protocol):
+    """What a data-parallel worker adds to its Learner (trainer/distributed.py implements it)."""
+
+    def sum_gradients(self, params: list[nn.Parameter]) -> None: ...
+
+    def sum_metrics(self, sums: dict[str, float]) -> dict[str, float]: ...

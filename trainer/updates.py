@@ -3,7 +3,12 @@ and the pure losses in trainer/algorithms).
 
     batch = build_batch(learner, prompts, outputs, sampling)
     metrics = UPDATES[Algorithm.NFT](learner, batch, cfg, generator)
+    # = run_update(learner, plan_update(Algorithm.NFT, batch, cfg, generator), cfg)
 
+`plan_update` decides what the whole batch defines (advantages, dropped groups, the loss's
+normaliser, the noise seed); `run_update` accumulates the gradient over micro-batches of rows
+(`learner.micro_batch_size`) and over trained timesteps, each term pre-divided by the whole
+batch's count, so micro-batches and data-parallel shards (`shard_plan`) sum to the same step.
 Shapes: B = rows (prompts x group size), *S = sampler state, W = window steps.
 """
 from __future__ import annotations
@@ -18,14 +23,15 @@ from contract import (Algorithm, Condition, InvalidRequestError, MediaRole, Prom
                       RolloutOutput, RolloutRequest, SamplingSpec, normalize_media,
                       Trajectory)
 from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
-                                flow_grpo_loss, group_advantages, nft_loss, nft_timestep_indices,
+                                flow_grpo_loss, group_advantages, nft_loss,
                                 optimality_probability, per_reward_advantages, recompute_step,
-                                sample_pair_sigmas, trainable_step_indices, transition_kl,
-                                velocity_kl, zero_advantage_groups, KLTarget)
+                                trainable_step_indices, transition_kl, velocity_kl,
+                                zero_advantage_groups, KLTarget)
 from diffusion.step import doubles_rows
 from trainer.config import TrainerConfig
 from trainer.learner import Learner, state_from_latents
 from trainer.lora import PolicyRole
+from trainer.train_noise import Draw, pair_sigmas, row_randn, row_timesteps
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Batch:
     uncond: Condition | None = None    # B rows of CFG's unconditional branch; None without CFG
     inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the forward's
     # per-request inputs (condition media, position ids), (B, ...) each, as the rollout had them
+    seeds: tuple[int, ...] = ()        # B rollout seeds: each row's training draws derive from it
 
     @property
     def rows(self) -> int:
@@ -73,7 +80,7 @@ class Batch:
             inputs={k: v[index] for k, v in self.inputs.items()},
             versions=tuple(self.versions[i] for i in index.tolist()),
             reward_values={k: v[index] for k, v in self.reward_values.items()},
-            window_groups=groups)
+            window_groups=groups, seeds=tuple(self.seeds[i] for i in index.tolist()))
 
 
 def _traj_rows(traj: Trajectory, keep: torch.Tensor) -> Trajectory:
@@ -156,7 +163,8 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
                  scores, samplings[0],
                  {k: torch.tensor(v, dtype=torch.float64) for k, v in per_scorer.items()},
                  weights, windows, uncond,
-                 learner.forward_inputs(samplings, media, repeats))
+                 learner.forward_inputs(samplings, media, repeats),
+                 tuple(s for o in outputs for s in o.seeds))
 
 
 def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
@@ -188,123 +196,259 @@ def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
     return batch.select(keep), adv[keep], metrics
 
 
+# ---- one step: planned over the whole batch, accumulated per shard and micro-batch ----------
+@dataclass(frozen=True)
+class UpdatePlan:
+    """One optimizer step as the whole batch defines it, computed once (by the controller):
+    the rows to train (zero-advantage groups dropped), each row's loss input, the count the
+    loss averages over, the seed of the rows' training draws and the step-wide metrics.
+
+    A data-parallel worker runs `shard_plan(plan, rank, world)`; every loss term is divided by
+    the global `total`, so the sum of the workers' gradients (and metric sums) is the whole
+    batch's, for any worker count and any micro-batch size."""
+
+    algorithm: Algorithm
+    batch: Batch | None            # the rows to train here; None: none (here, or at all: skip)
+    values: torch.Tensor | None    # (B,) NFT: optimality r; FlowGRPO: advantages; DPO: None
+    total: int                     # rows (NFT, FlowGRPO) or pairs (DPO) of the whole batch
+    noise_seed: int                # the rows' training draws (trainer/train_noise.py)
+    metrics: dict[str, float]      # step-wide metrics (identical on every worker)
+    skip: bool = False             # nothing to train anywhere: no optimizer step
+    pad_units: int = 0             # zero-weight micro-batches after its own, so every worker
+    pad: Batch | None = None       # runs the same forwards (FSDP); rows for them if it has none
+
+
+def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
+                gen: torch.Generator) -> UpdatePlan:
+    """Advantages / pairs over the whole batch and one noise seed from `gen`."""
+    algorithm = Algorithm(algorithm)
+    noise_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    if algorithm is Algorithm.DPO:
+        pairs = best_worst_pairs(batch.rewards, batch.group_ids)
+        if pairs.num_pairs == 0:   # every group tied: no preference, no step (counted)
+            return UpdatePlan(algorithm, None, None, 0, noise_seed,
+                              {"dpo_pairs": 0.0, "skipped_no_pairs": 1.0}, skip=True)
+        return UpdatePlan(algorithm, batch, None, pairs.num_pairs, noise_seed,
+                          {"dpo_pairs": float(pairs.num_pairs)})
+    if algorithm is Algorithm.FLOW_GRPO and not batch.window_groups:
+        raise InvalidRequestError("flow_grpo needs stored trajectories", field="trajectory")
+    clip = cfg.nft.adv_clip_max if algorithm is Algorithm.NFT else cfg.flow_grpo.adv_clip_max
+    kept, adv, metrics = advantages(batch, cfg, clip)                                  # (B,)
+    if kept is None:        # every group tied: no signal, no step (counted, not faked)
+        return UpdatePlan(algorithm, None, None, 0, noise_seed,
+                          metrics | {"skipped_zero_advantage": 1.0}, skip=True)
+    if algorithm is Algorithm.NFT:
+        values = optimality_probability(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)    # (B,)
+        metrics |= {"nft_r_mean": float(values.mean()),
+                    "nft_r_abs_dev": float((values - 0.5).abs().mean())}
+    else:
+        values = adv
+        metrics["window_groups"] = float(len(kept.window_groups))
+    return UpdatePlan(algorithm, kept, values, kept.rows, noise_seed, metrics)
+
+
+def shard_plan(plan: UpdatePlan, rank: int, world: int, micro_batch_size: int | None = None,
+               balance: bool = False) -> UpdatePlan:
+    """Worker `rank`'s part of the plan: its contiguous share of the prompt groups (as even as
+    the groups left allow). balance: pad with zero-weight micro-batches up to the busiest
+    worker's count (FSDP2 gathers weights in every forward, so all workers run the same)."""
+    if plan.skip or world == 1:
+        return plan
+    groups = list(dict.fromkeys(plan.batch.group_ids))
+    sizes = [len(groups) // world + (r < len(groups) % world) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    parts = []
+    for r in range(world):
+        mine = set(groups[starts[r]:starts[r] + sizes[r]])
+        index = torch.tensor([i for i, g in enumerate(plan.batch.group_ids) if g in mine],
+                             dtype=torch.long)
+        parts.append(index)
+    index = parts[rank]
+    batch = plan.batch.select(index) if index.numel() else None
+    values = None if plan.values is None or batch is None else plan.values[index]
+    pad_units, pad = 0, None
+    if balance:
+        counts = [0 if p.numel() == 0 else
+                  len(UNITS[plan.algorithm](plan.batch.select(p), micro_batch_size))
+                  for p in parts]
+        pad_units = max(counts) - counts[rank]
+        if pad_units and batch is None:      # no rows of its own: the first group's, weight 0
+            pad = plan.batch.select(parts[counts.index(max(counts))])
+    return dataclasses.replace(plan, batch=batch, values=values, pad_units=pad_units, pad=pad)
+
+
+def run_update(learner: Learner, plan: UpdatePlan, cfg: TrainerConfig) -> dict[str, float]:
+    """Accumulate this plan's gradients micro-batch by micro-batch, sum them (and the metric
+    sums) over the workers, optimizer step. Metrics: step-wide ones + loss terms + grad_norm."""
+    if plan.skip:
+        return dict(plan.metrics)
+    m = cfg.learner.micro_batch_size
+    sums: dict[str, float] = {}
+    units = UNITS[plan.algorithm](plan.batch, m) if plan.batch is not None else []
+    work = [(plan.batch, plan.values, u, len(_unit_rows(u)) / plan.total) for u in units]
+    if plan.pad_units:
+        source = plan.batch if plan.batch is not None else plan.pad
+        first = UNITS[plan.algorithm](source, m)[0]
+        values = plan.values if plan.batch is not None else torch.zeros(source.rows)
+        work += [(source, values, first, 0.0)] * plan.pad_units
+    for batch, values, unit, weight in work:
+        RUNS[plan.algorithm](learner, batch, values, unit, weight, plan, cfg, sums)
+    metrics = dict(plan.metrics) | learner.reduce_sums(sums)
+    metrics["grad_norm"] = learner.step()
+    return metrics
+
+
+def _chunks(index: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    return [index] if size is None else list(torch.split(index, size))
+
+
+def _unit_rows(unit) -> torch.Tensor:
+    return unit[-1] if isinstance(unit, tuple) else unit
+
+
+def _add(sums: dict[str, float], metrics: Mapping[str, float], weight: float) -> None:
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v * weight
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
 # ---- DiffusionNFT ---------------------------------------------------------------------------
-def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
-               gen: torch.Generator) -> dict[str, float]:
-    """Forward-process NFT: fresh noise at schedule noise levels; v_theta / v_old / v_ref."""
-    c = cfg.nft
-    batch, adv, totals = advantages(batch, cfg, c.adv_clip_max)                         # (B,)
-    if batch is None:       # every group tied: no signal, no step (counted, not faked)
-        return totals | {"skipped_zero_advantage": 1.0}
-    r = optimality_probability(adv, c.adv_clip_max, c.adv_mode)                            # (B,)
+def _nft_units(batch: Batch, size: int | None) -> list[torch.Tensor]:
+    return _chunks(torch.arange(batch.rows), size)
+
+
+def _nft_run(learner: Learner, batch: Batch, r_all: torch.Tensor, rows: torch.Tensor,
+             weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
+    """Forward-process NFT on `rows`: fresh noise at schedule noise levels; v_theta / v_old /
+    v_ref; loss weight rows / total per draw / train_timesteps."""
+    c, dev = cfg.nft, learner.device
+    sub = batch.select(rows)
     sigmas = learner.family.sigmas(batch.sampling)[:-1]
-    x0 = batch.x0
-    order = nft_timestep_indices(batch.rows, len(sigmas), c.train_timesteps, c.timesteps, gen)
-    for idx in order:                                                                 # (B,) each
-        sigma = sigmas[idx]                                                               # (B,)
-        eps = torch.randn(x0.shape, generator=gen)
+    x0, r = _on(sub.x0, dev), _on(r_all[rows], dev)                                    # (b,)
+    order = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), c.train_timesteps,
+                          c.timesteps)                                                # (T, b)
+    for k in range(c.train_timesteps):
+        sigma = _on(sigmas[order[k]], dev)                                                # (b,)
+        eps = row_randn(plan.noise_seed, sub.seeds, Draw.NFT_NOISE, k, x0.shape[1:], dev)
         s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
         x_sigma = (1 - s) * x0 + s * eps
         with torch.no_grad():
-            v_old = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.OLD,
-                                     media=batch.inputs)
-            v_ref = (learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.REFERENCE,
-                                      media=batch.inputs) if c.ref_kl_coef > 0 else None)
-        v_theta = learner.velocity(x_sigma, sigma, batch.cond, PolicyRole.CURRENT,
-                                   media=batch.inputs)
+            v_old = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.OLD, media=sub.inputs)
+            v_ref = (learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.REFERENCE,
+                                      media=sub.inputs) if c.ref_kl_coef > 0 else None)
+        v_theta = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.CURRENT, media=sub.inputs)
         out = nft_loss(v_theta, v_old, x_sigma, x0, sigma, r, beta=c.beta,
                        adv_clip_max=c.adv_clip_max, v_ref=v_ref, ref_kl_coef=c.ref_kl_coef)
-        (out.loss / c.train_timesteps).backward()
-        for k, v in out.metrics().items():
-            totals[k] = totals.get(k, 0.0) + v / c.train_timesteps
-    totals["grad_norm"] = learner.step()
-    totals["nft_r_mean"] = float(r.mean())
-    totals["nft_r_abs_dev"] = float((r - 0.5).abs().mean())
-    return totals
+        (out.loss * (weight / c.train_timesteps)).backward()
+        _add(sums, out.metrics(), weight / c.train_timesteps)
+
+
+def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
+               gen: torch.Generator) -> dict[str, float]:
+    """DiffusionNFT: advantages -> optimality r, forward-process loss, one optimizer step."""
+    return run_update(learner, plan_update(Algorithm.NFT, batch, cfg, gen), cfg)
 
 
 # ---- FlowGRPO -------------------------------------------------------------------------------
+def _grpo_units(batch: Batch, size: int | None) -> list[tuple[int, torch.Tensor]]:
+    """(window group, its positions) per micro-batch: a forward never mixes windows."""
+    return [(g, part) for g, (rows, _) in enumerate(batch.window_groups)
+            for part in _chunks(torch.arange(rows.shape[0]), size)]
+
+
+def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int, torch.Tensor],
+              weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
+    """Clipped surrogate on the stored fp32 window transitions of one micro-batch of a window
+    group (rollout log-probs are old); each row weighs 1 / total spread over its own window's
+    trained steps, so the loss is the mean over rows of the mean over that row's steps."""
+    c, dev = cfg.flow_grpo, learner.device
+    group, part = unit
+    group_rows, traj = batch.window_groups[group]
+    rows = group_rows[part]
+    traj = dataclasses.replace(traj, latents=_on(traj.latents[part], dev),
+                               log_probs=_on(traj.log_probs[part], dev),
+                               seeds=tuple(traj.seeds[i] for i in part.tolist()))
+    steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
+    cond, a, start = batch.cond.index_select(rows), _on(adv[rows], dev), traj.window[0]
+    uncond = None if batch.uncond is None else batch.uncond.index_select(rows)
+    inputs = {k: v[rows] for k, v in batch.inputs.items()}
+    sums["trained_window_steps"] = sums.get("trained_window_steps", 0.0) + weight * len(steps)
+    for j in steps:
+        sigma = _on(traj.sigmas[j].expand(rows.shape[0]), dev)
+        x_j = traj.latents[:, j - start]
+        v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale,
+                             uncond, inputs)
+        out = recompute_step(traj, j, v)
+        kl = None
+        if c.kl_beta > 0:
+            with torch.no_grad():
+                v_ref = learner.velocity(x_j, sigma, cond, PolicyRole.REFERENCE,
+                                         traj.guidance_scale, uncond, inputs)
+            if c.kl_target is KLTarget.VELOCITY:
+                kl = velocity_kl(v, v_ref)
+            else:
+                kl = transition_kl(out, recompute_step(traj, j, v_ref))
+        loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], a,
+                              clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
+                              kl_beta=c.kl_beta)
+        (loss.loss * (weight / len(steps))).backward()
+        _add(sums, loss.metrics(), weight / len(steps))
+
+
 def grpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
                 gen: torch.Generator) -> dict[str, float]:
-    """Clipped surrogate on the stored fp32 window transitions (rollout log-probs are old).
-
-    Rows are trained on their own window's steps (one window per prompt group under
-    Flow-GRPO-Fast); each window group weighs by its share of the rows, so the loss is the mean
-    over rows of the mean over that row's trained steps."""
-    c = cfg.flow_grpo
-    if not batch.window_groups:
-        raise InvalidRequestError("flow_grpo needs stored trajectories", field="trajectory")
-    batch, adv, totals = advantages(batch, cfg, c.adv_clip_max)
-    if batch is None:
-        return totals | {"skipped_zero_advantage": 1.0}
-    trained_steps = 0.0
-    for rows, traj in batch.window_groups:
-        steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
-        share = rows.shape[0] / batch.rows
-        cond, a, start = batch.cond.index_select(rows), adv[rows], traj.window[0]
-        uncond = None if batch.uncond is None else batch.uncond.index_select(rows)
-        inputs = {k: v[rows] for k, v in batch.inputs.items()}
-        trained_steps += share * len(steps)
-        for j in steps:
-            sigma = traj.sigmas[j].expand(rows.shape[0])
-            x_j = traj.latents[:, j - start]
-            v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale,
-                                 uncond, inputs)
-            out = recompute_step(traj, j, v)
-            kl = None
-            if c.kl_beta > 0:
-                with torch.no_grad():
-                    v_ref = learner.velocity(x_j, sigma, cond, PolicyRole.REFERENCE,
-                                             traj.guidance_scale, uncond, inputs)
-                if c.kl_target is KLTarget.VELOCITY:
-                    kl = velocity_kl(v, v_ref)
-                else:
-                    kl = transition_kl(out, recompute_step(traj, j, v_ref))
-            loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], a,
-                                  clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
-                                  kl_beta=c.kl_beta)
-            (loss.loss * share / len(steps)).backward()
-            for k, val in loss.metrics().items():
-                totals[k] = totals.get(k, 0.0) + val * share / len(steps)
-    totals["grad_norm"] = learner.step()
-    totals["trained_window_steps"] = trained_steps
-    totals["window_groups"] = float(len(batch.window_groups))
-    return totals
+    """FlowGRPO: advantages, the clipped surrogate per row on its window's steps (one window
+    per prompt group under Flow-GRPO-Fast), one optimizer step."""
+    return run_update(learner, plan_update(Algorithm.FLOW_GRPO, batch, cfg, gen), cfg)
 
 
 # ---- Diffusion-DPO --------------------------------------------------------------------------
-def dpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
-               gen: torch.Generator) -> dict[str, float]:
-    """(best, worst) pair per prompt; shared eps and sigma per pair; reference = base model."""
+def _dpo_units(batch: Batch, size: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(winner rows, loser rows) per micro-batch of pairs (size rows = size // 2 pairs)."""
     pairs = best_worst_pairs(batch.rewards, batch.group_ids)
-    if pairs.num_pairs == 0:   # every group tied: no preference, no step (counted, not faked)
-        return {"dpo_pairs": 0.0, "skipped_no_pairs": 1.0}
-    x_w, x_l = batch.x0[pairs.winner], batch.x0[pairs.loser]
-    pair_rows = torch.cat([pairs.winner, pairs.loser])
+    chunks = _chunks(torch.arange(pairs.num_pairs), None if size is None else max(1, size // 2))
+    return [(pairs.winner[c], pairs.loser[c]) for c in chunks]
+
+
+def _dpo_run(learner: Learner, batch: Batch, _values, unit: tuple[torch.Tensor, torch.Tensor],
+             weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
+    """(best, worst) pairs of one micro-batch; eps and sigma per pair from the winner's stream;
+    reference = base model."""
+    dev, draws = learner.device, cfg.dpo.draws_per_pair
+    winner, loser = unit
+    p = winner.shape[0]
+    x_w, x_l = _on(batch.x0[winner], dev), _on(batch.x0[loser], dev)
+    pair_rows = torch.cat([winner, loser])
     cond = batch.cond.index_select(pair_rows)
     inputs = {k: v[pair_rows] for k, v in batch.inputs.items()}
-    totals: dict[str, float] = {}
-    draws = cfg.dpo.draws_per_pair
-    for _ in range(draws):
-        shift = learner.family.schedule_shift(batch.sampling)
-        sigma = sample_pair_sigmas(pairs.num_pairs, shift=shift,
-                                   generator=gen)                                         # (P,)
-        noise = torch.randn(x_w.shape, generator=gen)
+    seeds = [batch.seeds[i] for i in winner.tolist()]
+    shift = learner.family.schedule_shift(batch.sampling)
+    for d in range(draws):
+        sigma = _on(pair_sigmas(plan.noise_seed, seeds, d, shift), dev)                  # (p,)
+        noise = row_randn(plan.noise_seed, seeds, Draw.DPO_NOISE, d, x_w.shape[1:], dev)
         inp = dpo_pair_inputs(x_w, x_l, noise, sigma)
         x_in, s_in = torch.cat([inp.x_winner, inp.x_loser]), torch.cat([sigma, sigma])
         v = learner.velocity(x_in, s_in, cond, PolicyRole.CURRENT, media=inputs)
         with torch.no_grad():
             v_ref = learner.velocity(x_in, s_in, cond, PolicyRole.REFERENCE, media=inputs)
-        p = pairs.num_pairs
         out = dpo_loss(v[:p], v[p:], v_ref[:p], v_ref[p:], inp.target_winner, inp.target_loser,
                        beta=cfg.dpo.beta)
-        (out.loss / draws).backward()
-        for k, val in out.metrics().items():
-            totals[k] = totals.get(k, 0.0) + val / draws
-    totals["grad_norm"] = learner.step()
-    totals["dpo_pairs"] = float(pairs.num_pairs)
-    return totals
+        (out.loss * (weight / draws)).backward()
+        _add(sums, out.metrics(), weight / draws)
 
+
+def dpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
+               gen: torch.Generator) -> dict[str, float]:
+    """Diffusion-DPO: (best, worst) pair per prompt, shared eps and sigma per pair."""
+    return run_update(learner, plan_update(Algorithm.DPO, batch, cfg, gen), cfg)
+
+
+UNITS: dict[Algorithm, Callable[[Batch, int | None], list]] = {
+    Algorithm.NFT: _nft_units, Algorithm.FLOW_GRPO: _grpo_units, Algorithm.DPO: _dpo_units}
+RUNS = {Algorithm.NFT: _nft_run, Algorithm.FLOW_GRPO: _grpo_run, Algorithm.DPO: _dpo_run}
 
 UPDATES: dict[Algorithm, Callable[[Learner, Batch, TrainerConfig, torch.Generator],
                                   dict[str, float]]] = {
