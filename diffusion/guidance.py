@@ -4,12 +4,18 @@ Velocity CFG:  v = v_u + g (v_c - v_u).
 x0 CFG:        x0 = x0_u + g (x0_c - x0_u) with x0_* = x - sigma v_*, then v = (x - x0) / sigma.
 Both are the same map (x0 is affine in v at fixed x, sigma; notes section 1.4); the x0 form is
 what some video models apply, and the trainer must repeat exactly the sampling formula.
+With several streams and guidance rescale (LTX-2) the x0 form is no longer the velocity form:
+`GuidanceForm` declares which one a family uses (applied in diffusion/step.py only).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from enum import Enum
+
 import torch
 
-from contract.errors import InvalidRequestError
+from contract.errors import ConfigError, InvalidRequestError
 from diffusion._checks import check_float_tensor, check_row_sigma, check_same_shape, rows
 
 
@@ -42,3 +48,110 @@ def cfg_x0(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor, v_cond:
     x0_c = x - s * v_cond
     x0 = x0_u + scale * (x0_c - x0_u)
     return (x - x0) / s
+
+
+# ---- declared guidance forms ------------------------------------------------------------------
+# A family whose pipeline combines the two CFG branches otherwise than v_u + g (v_c - v_u)
+# declares it once, as its denoiser's `guidance_form`; diffusion/step.py applies it (never the
+# family). LTX-2: per stream (video tokens | audio tokens) in x0 space, as deltas
+# x0_c + (g - 1)(x0_c - x0_u), then guidance rescale, then back to a velocity.
+
+STREAM_BOUNDS = "guidance_stream_bounds"   # media input: (1 or B, n + 1) int64 offsets of the
+                                           # streams in the flattened per-row state
+
+
+class GuidanceSpace(str, Enum):
+    VELOCITY = "velocity"    # v = v_u + g (v_c - v_u)
+    X0 = "x0"                # per stream on x0 = x - sigma v, deltas, optional rescale
+
+
+@dataclass(frozen=True)
+class GuidanceStream:
+    """One contiguous stream of a flat sampler state.
+
+    scale: None = the row's guidance_scale; a number = this stream's own fixed scale (LTX-2's
+    audio_guidance_scale). rescale: phi of guidance rescale (Lin et al. 2024, "Common Diffusion
+    Noise Schedules and Sample Steps are Flawed", eq. 15-16) on the guided x0, 0 = off:
+    x0 <- phi * x0_g * std(x0_c) / std(x0_g) + (1 - phi) * x0_g, std per row over the stream.
+    """
+
+    name: str
+    scale: float | None = None
+    rescale: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ConfigError("a stream's guidance scale is a finite number >= 0",
+                              field=f"guidance.{self.name}.scale", actual=self.scale)
+        if not 0.0 <= self.rescale <= 1.0:
+            raise ConfigError("guidance rescale lies in [0, 1]",
+                              field=f"guidance.{self.name}.rescale", expected="[0, 1]",
+                              actual=self.rescale)
+
+
+@dataclass(frozen=True)
+class GuidanceForm:
+    """How CFG combines the unconditional and conditional velocities of a family."""
+
+    space: GuidanceSpace = GuidanceSpace.VELOCITY
+    streams: tuple[GuidanceStream, ...] = (GuidanceStream("state"),)
+
+    def __post_init__(self) -> None:
+        if self.space is GuidanceSpace.VELOCITY and self.streams != (GuidanceStream("state"),):
+            raise ConfigError("velocity-space CFG has one stream at the row's scale, no rescale",
+                              field="guidance.streams", actual=[s.name for s in self.streams])
+
+    def combine(self, x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor,
+                v_cond: torch.Tensor, scale: torch.Tensor,
+                bounds: torch.Tensor | None = None) -> torch.Tensor:
+        """The guided velocity (B, *S) fp32. scale: (B,) the rows' guidance_scale; bounds:
+        (n + 1,) stream offsets into the flattened state (needed when n > 1)."""
+        if self.space is GuidanceSpace.VELOCITY:
+            return cfg_velocity(v_uncond, v_cond, scale)
+        return x0_stream_guidance(x, sigma, v_uncond, v_cond, scale, self.streams, bounds)
+
+
+VELOCITY_CFG = GuidanceForm()
+
+
+def x0_stream_guidance(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor,
+                       v_cond: torch.Tensor, scale: torch.Tensor,
+                       streams: tuple[GuidanceStream, ...],
+                       bounds: torch.Tensor | None) -> torch.Tensor:
+    """Per stream: x0_* = x - sigma v_*, x0 = x0_c + (g - 1)(x0_c - x0_u), rescaled, and
+    v = (x - x0) / sigma. x, v_*: (B, *S); sigma, scale: (B,), sigma > 0."""
+    x = check_float_tensor(x, "x")
+    v_cond = check_same_shape(v_cond, x, "v_cond")
+    v_uncond = check_same_shape(v_uncond, x, "v_uncond")
+    sigma = check_row_sigma(sigma, x.shape[0], "sigma")
+    if not bool((sigma > 0).all()):
+        raise InvalidRequestError("x0-space guidance needs sigma > 0", field="sigma",
+                                  expected="> 0", actual=sigma.tolist())
+    b, n = x.shape[0], x[0].numel()
+    if bounds is None:
+        if len(streams) != 1:
+            raise InvalidRequestError("several guidance streams need their bounds",
+                                      field=STREAM_BOUNDS, expected=len(streams) + 1,
+                                      actual=None)
+        bounds = torch.tensor([0, n])
+    offsets = [int(o) for o in bounds.reshape(-1).tolist()]
+    if len(offsets) != len(streams) + 1 or offsets[0] != 0 or offsets[-1] != n or \
+            any(a >= c for a, c in zip(offsets, offsets[1:])):
+        raise InvalidRequestError("stream bounds must be increasing offsets 0 .. state size",
+                                  field=STREAM_BOUNDS, expected=f"{len(streams) + 1} offsets "
+                                  f"from 0 to {n}", actual=offsets)
+    flat_x, flat_u, flat_c = x.reshape(b, n), v_uncond.reshape(b, n), v_cond.reshape(b, n)
+    s = sigma.reshape(b, 1).to(x.dtype)
+    row_scale = scale.to(x.dtype).reshape(b, 1)
+    out = []
+    for stream, start, end in zip(streams, offsets, offsets[1:]):
+        xs = flat_x[:, start:end]
+        x0_c = xs - flat_c[:, start:end] * s
+        x0_u = xs - flat_u[:, start:end] * s
+        g = row_scale if stream.scale is None else stream.scale
+        x0 = x0_c + (g - 1) * (x0_c - x0_u)
+        if stream.rescale > 0:
+            ratio = x0_c.std(dim=1, keepdim=True) / x0.std(dim=1, keepdim=True)
+            x0 = stream.rescale * (x0 * ratio) + (1 - stream.rescale) * x0
+        out.append((xs - x0) / s)
+    return torch.cat(out, dim=1).reshape(x.shape)

@@ -5,6 +5,8 @@ pipeline, the learner (with autograd), the start-up checks, the sample scripts a
 
     guided = doubles_rows(kind, guidance_scale)      # the one guidance decision
     v      = predict_velocity(denoiser, models, x, sigma, cond, guidance, media)
+                                                     # CFG combined as the denoiser's declared
+                                                     # guidance_form (diffusion/guidance.py)
     out    = transition(sampler, x, v, sigma, sigma_next, noise_level, noise, frozen=frozen)
 
 A `Denoiser` is a family's stateless forward: raw model output for a state in the model's own
@@ -25,7 +27,7 @@ from contract.conditions import Condition
 from contract.enums import GuidanceKind, SamplerKind, TimeConvention
 from contract.errors import InvalidRequestError
 from diffusion.conventions import model_time, to_sigma_velocity
-from diffusion.guidance import cfg_velocity
+from diffusion.guidance import STREAM_BOUNDS, VELOCITY_CFG, GuidanceForm
 from diffusion.samplers import SolverHistory, StepOutput, log_density, sampler_step
 
 Models = Mapping[str, torch.nn.Module]      # component name -> module (e.g. "transformer")
@@ -34,7 +36,9 @@ Models = Mapping[str, torch.nn.Module]      # component name -> module (e.g. "tr
 class Denoiser(Protocol):
     """A family's forward. `forward` gets the state in the models' dtype and returns the raw
     prediction (B, *S) in the model's convention; `guidance` is the (B,) embedded guidance scale
-    for guidance-distilled families, else None."""
+    for guidance-distilled families, else None. A denoiser may declare `guidance_form`
+    (diffusion.guidance.GuidanceForm: how its pipeline combines the CFG branches); without one
+    CFG is v_u + g (v_c - v_u)."""
 
     time_convention: TimeConvention
     model_time_scale: float
@@ -97,6 +101,27 @@ class Guidance:
         return int(self.scale.shape[0])
 
 
+def guidance_form(denoiser: Denoiser) -> GuidanceForm:
+    """The denoiser's declared guidance form (velocity CFG when it declares none)."""
+    form = getattr(denoiser, "guidance_form", VELOCITY_CFG)
+    if not isinstance(form, GuidanceForm):
+        raise InvalidRequestError("a denoiser's guidance_form is a GuidanceForm",
+                                  field="denoiser.guidance_form", expected="GuidanceForm",
+                                  actual=type(form).__name__)
+    return form
+
+
+def stream_bounds(media: Mapping[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """The rows' guidance stream offsets (media input STREAM_BOUNDS), one set for all rows."""
+    bounds = (media or {}).get(STREAM_BOUNDS)
+    if bounds is None:
+        return None
+    if not bool((bounds == bounds[:1]).all()):
+        raise InvalidRequestError("rows of one forward must share their guidance streams",
+                                  field=STREAM_BOUNDS, actual=bounds.tolist())
+    return bounds[0]
+
+
 def model_dtype(models: Models) -> torch.dtype:
     """The dtype the forward runs in: the first floating parameter of the first model."""
     for module in models.values():
@@ -147,7 +172,9 @@ def predict_velocity(denoiser: Denoiser, models: Models, x: torch.Tensor, sigma:
     if not guidance.doubled:
         return v
     v_uncond, v_cond = v[:rows], v[rows:]
-    return cfg_velocity(v_uncond, v_cond, guidance.scale.to(v.device))
+    return guidance_form(denoiser).combine(x.to(v.device, torch.float32), sigma.to(v.device),
+                                           v_uncond, v_cond, guidance.scale.to(v.device),
+                                           stream_bounds(media))
 
 
 @dataclass(frozen=True)
