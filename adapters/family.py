@@ -126,6 +126,8 @@ class MediaCondition:
     frozen: FrozenLatents | None = None
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
     key: tuple = ()        # what else rows must share to run together (e.g. the latent grid)
+    state_shape: tuple[int, ...] | None = None   # the request's per-row state when its
+    # conditions lengthen it (LTX-2's appended keyframe tokens); None = codec.state_shape
 
     def batch_key(self) -> tuple:
         return (None if self.frozen is None else tuple(self.frozen.mask.shape[1:]),
@@ -218,6 +220,16 @@ class Codec(ABC):
         """Decode one latent artifact of a request sampled with `sampling` with its decoder
         components (uint8 pixels / float audio)."""
 
+    def condition_state(self, state: torch.Tensor, sampling: SamplingSpec,
+                        media: MediaCondition) -> torch.Tensor:
+        """join_state's state (B, *state_shape(sampling)) -> the request's state (B,
+        *media.state_shape) with the condition entries a condition appends (held values)."""
+        if media.state_shape is not None:
+            raise InvalidRequestError("this codec's conditions do not change the state shape",
+                                      field="media.state_shape", expected=None,
+                                      actual=media.state_shape)
+        return state
+
     def encode_media(self, modules: Mapping[str, nn.Module], sampling: SamplingSpec,
                      media: Mapping[MediaRole, torch.Tensor]) -> MediaCondition:
         """Everything per request the forward needs besides the prompt: decoded condition
@@ -251,6 +263,11 @@ class ModelFamily(ABC):
         and sharded fc1 (adapters/inference_form.py), or ConfigError for a family without one."""
         raise ConfigError(f"{self.name} declares no packed inference form",
                           field="rollout.packed_inference_form", expected=False, actual=True)
+
+    def request_sigmas(self, sampling: SamplingSpec, media: MediaCondition) -> torch.Tensor:
+        """The sigma table of one request: `sigmas(sampling)`, unless its conditions change
+        the schedule (LTX-2's shift counts appended keyframe tokens)."""
+        return self.sigmas(sampling)
 
     def pipeline_scheduler(self, sampling: SamplingSpec):
         """The checkpoint's own diffusers scheduler set to this sampling's table (what its

@@ -201,12 +201,12 @@ class EmbeddedEngine:
             raise InvalidRequestError("a stochastic window needs noise_level > 0 (no log-prob "
                                       "exists at 0)", field="sampling.noise_level",
                                       expected="> 0", actual=0.0, request_id=rid)
-        shape = tuple(family.codec.state_shape(sampling))
+        media = family.codec.encode_media(self.media_modules, sampling, dict(request.media))
+        shape = tuple(media.state_shape or family.codec.state_shape(sampling))
         rows = sampling.samples_per_prompt
-        sigmas = family.sigmas(sampling).to(torch.float32)
+        sigmas = family.request_sigmas(sampling, media).to(torch.float32)
         times = model_time(sigmas[:-1], family.denoiser.time_convention,
                            family.denoiser.model_time_scale)
-        media = family.codec.encode_media(self.media_modules, sampling, dict(request.media))
         x = initial_noise(sampling.seeds, shape).to(self.device, torch.float32)     # (B, *S)
         frozen = None
         if media.frozen is not None:
