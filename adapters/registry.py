@@ -39,12 +39,18 @@ def _wan(root, options):
     return WanFamily(root, options)
 
 
+def _ltx2(root, options):
+    from adapters.ltx2 import LTX2Family
+    return LTX2Family(root, options)
+
+
 # each builder imports its family module only when that family is asked for
 FAMILIES: dict[str, Callable[[str | Path | None, Mapping | None], ModelFamily]] = {
     "tiny_t2i": _tiny_t2i,
     "tiny_t2va": _tiny_t2va,
     "sd3": _sd3,
     "flux": _flux,
+    "ltx2": _ltx2,
     "wan": _wan,
 }
 
@@ -52,6 +58,7 @@ FAMILIES: dict[str, Callable[[str | Path | None, Mapping | None], ModelFamily]] 
 PIPELINE_CLASSES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "LTX2Pipeline": "ltx2",
     "WanPipeline": "wan",
     "WanImageToVideoPipeline": "wan",
 }
