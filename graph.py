@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve import Application
 
 from adapters.registry import get_family
-from contract import Representation
+from contract import ConfigError, Representation
 from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
@@ -118,3 +118,23 @@ def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
 
 
 app = build_app(DEFAULT_CONFIG)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m graph CONFIG.yaml ...`: build each Serve config file as `serve run` would (no
+    cluster needed); a bad one prints its ConfigError naming the field and exits 2, where
+    `serve run` would show it inside Serve's build traceback and retry."""
+    import sys
+    status = 0
+    for path in sys.argv[1:] if argv is None else argv:
+        try:
+            build_app(path)
+            print(f"{path}: ok")
+        except ConfigError as exc:
+            print(f"{path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

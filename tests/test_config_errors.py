@@ -209,9 +209,15 @@ def test_serve_config_files_raise_only_config_errors(tmp_path):
     case()
 
 
-def test_serve_app_builder_names_the_field():
-    """What `serve run <config>` calls with the file's args."""
-    from graph import build_app
-    with pytest.raises(ConfigError) as err:
-        build_app({"limits": {"max_prompts": "many"}})
-    assert err.value.field == "limits.max_prompts"
+def test_serve_config_check_names_the_field_and_exits_2(tmp_path, capsys):
+    """`python -m graph CONFIG`: the build `serve run` does, without its traceback."""
+    from graph import main
+    bad = tmp_path / "bad.yaml"
+    serve_form = yaml.safe_load((REPO / "configs" / "tiny_t2i.yaml").read_text())
+    serve_form["applications"][0]["args"]["limits"]["max_prompts"] = "many"
+    bad.write_text(yaml.safe_dump(serve_form))
+    assert main([str(REPO / "configs" / "tiny_t2i.yaml"), str(bad)]) == 2
+    out = capsys.readouterr()
+    assert "tiny_t2i.yaml: ok" in out.out
+    assert "ConfigError" in out.err and "field=limits.max_prompts" in out.err
+    assert "Traceback" not in out.err
