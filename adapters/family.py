@@ -79,7 +79,8 @@ class ETPPlan:
 @dataclass(frozen=True)
 class EncoderSpec:
     """One text encoder: `name` keys its ids in a PromptBundle (the first encoder's ids are
-    PromptBundle.token_ids); `component` / `tokenizer` are checkpoint subfolders."""
+    PromptBundle.token_ids); `component` / `tokenizer` are checkpoint subfolders;
+    `extra_components` run with it in the encoder stage (LTX-2's text connectors)."""
 
     name: str
     component: str
@@ -87,6 +88,7 @@ class EncoderSpec:
     max_length: int
     overflow: Overflow = Overflow.REJECT
     etp: ETPPlan | None = None
+    extra_components: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

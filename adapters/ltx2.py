@@ -196,7 +196,7 @@ class LTX2Family(ModelFamily):
                                      o.use_cross_timestep, form)
         connectors = read_json(self.root, CONNECTORS, "config.json")
         encoder = EncoderSpec(GEMMA, TEXT_ENCODER, "tokenizer", o.max_sequence_length,
-                              Overflow.REJECT, GEMMA3_ETP_PLAN)
+                              Overflow.REJECT, GEMMA3_ETP_PLAN, extra_components=(CONNECTORS,))
         self.spec = FamilySpec(
             name="ltx2",
             io_spec=IOSpec(artifacts=(

@@ -5,7 +5,8 @@ and pipeline, and how a pipeline call is spelled; the mixin then checks, on the 
 engine (the production path):
   - the sigma table equals the pipeline scheduler's at several sizes,
   - ODE latents equal the pipeline's `output_type="latent"` from the same initial latents
-    (fp32, <= 1e-4), guided as the family guides, and the decoded media within 1 level,
+    (fp32, <= 1e-4), guided as the family guides, the decoded media within 1 level and a joint
+    audio-video family's decoded audio within 1e-4,
   - token ids are the tokenizers' own and reach the encoders unchanged,
   - each stage loads only its components (parameter bytes per stage),
   - bad input (sizes the VAE / patch cannot produce, a path that is not a checkpoint, a missing
@@ -54,6 +55,7 @@ class FamilyConformance:
     guidance_scale: float = 1.0
     negative: bool = False            # the family takes a negative prompt
     steps: int = 4
+    sigma_steps: tuple[int, ...] = (1, 4, 10)   # step counts the sigma tables are compared at
 
     # ---- per family -------------------------------------------------------------------------
     def pipeline(self, root: Path):
@@ -71,6 +73,13 @@ class FamilyConformance:
         """uint8 decoded media from the pipeline's `output_type="np"` result."""
         images = torch.from_numpy((result.images * 255).round().astype("uint8"))
         return images.permute(0, 3, 1, 2)
+
+    def audio_all(self, fam, latents, sampling) -> torch.Tensor | None:
+        """Decoded float audio of a joint audio-video family (None: the family has none)."""
+        return None
+
+    def audio_from_pipeline(self, result) -> torch.Tensor | None:
+        return None
 
     # ---- fixtures -----------------------------------------------------------------------------
     @pytest.fixture(scope="class")
@@ -116,7 +125,7 @@ class FamilyConformance:
     def test_sigmas_equal_the_pipeline_scheduler(self, fam, root):
         pipe_scheduler = load_component(root, "scheduler")
         for size in (self.size, *self.other_sizes):
-            for steps in (1, 4, 10):
+            for steps in self.sigma_steps:
                 sampling = SamplingSpec(num_steps=steps, seeds=(0,), **size)
                 ours = fam.sigmas(sampling)
                 theirs = self.pipeline_sigmas(fam, pipe_scheduler, sampling)
@@ -137,11 +146,19 @@ class FamilyConformance:
             print(f"{self.checkpoint} {name}: max |ours - pipeline| = {diff:.3g}")
             assert diff <= 1e-4 and float(value.abs().mean()) > 0.1, (name, diff)
         decoded = self.decode_all(fam, ours, sampling)
-        reference = self.decoded_from_pipeline(self.pipeline_call(pipe, x0.clone(), "np"))
+        media_result = self.pipeline_call(pipe, x0.clone(), "np")
+        reference = self.decoded_from_pipeline(media_result)
         assert decoded.dtype == torch.uint8 and decoded.shape == reference.shape
         levels = int((decoded.int() - reference.int()).abs().max())
         print(f"{self.checkpoint} decoded: max |ours - pipeline| = {levels} levels")
         assert levels <= 1
+        audio = self.audio_all(fam, ours, sampling)
+        if audio is not None:
+            reference = self.audio_from_pipeline(media_result)
+            assert audio.is_floating_point() and audio.shape == reference.shape
+            diff = float((audio - reference).abs().max())
+            print(f"{self.checkpoint} decoded audio: max |ours - pipeline| = {diff:.3g}")
+            assert diff <= 1e-4 and float(reference.abs().mean()) > 1e-3
 
     def latents_of(self, result) -> dict[str, torch.Tensor]:
         return {"image_latent": result.images}
@@ -167,12 +184,15 @@ class FamilyConformance:
         finally:
             for h in hooks:
                 h.remove()
+        left = getattr(conditioner, "padding_side", "right") == "left"
         for spec in fam.spec.encoders:
             tok = conditioner.tokenizer(spec)
             assert list(ids[spec.name]) == tok(PROMPTS[1])["input_ids"]
-            row = seen[spec.name][0].tolist()
-            assert row[:len(ids[spec.name])] == list(ids[spec.name])
-            assert set(row[len(ids[spec.name]):]) <= {tok.pad_token_id}
+            row, n = seen[spec.name][0].tolist(), len(ids[spec.name])
+            if left:                                   # pads first, then the ids
+                row = row[::-1][:n][::-1] + row[:len(row) - n]
+            assert row[:n] == list(ids[spec.name])
+            assert set(row[n:]) <= {tok.pad_token_id}
             assert len(row) == spec.max_length
         assert all(t.shape[0] == 1 for t in cond.tensors.values())
 
@@ -186,10 +206,11 @@ class FamilyConformance:
         from rollout.strategy import build_strategy
         sizes = {c: param_bytes([fam.load(c)]) for c in
                  {*fam.spec.transformers, *(e.component for e in fam.spec.encoders),
+                  *(c for e in fam.spec.encoders for c in e.extra_components),
                   *(c for cs in fam.spec.decoders.values() for c in cs), *fam.spec.media_encoders}}
         encoder = TextEncoderServer(self.family, str(root), 1, "cpu", "float32", self.options)
         assert param_bytes(encoder.encoders.values()) == \
-            sum(sizes[e.component] for e in fam.spec.encoders)
+            sum(sizes[c] for e in fam.spec.encoders for c in (e.component, *e.extra_components))
         for latent, components in fam.spec.decoders.items():
             decoder = DecoderServer(self.family, str(root), latent, 4096, options=self.options)
             assert set(decoder.modules) == set(components)
