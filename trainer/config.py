@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from contract import Algorithm, ConfigError, SamplerKind
+from contract import Algorithm, ConfigError, SamplerKind, Task
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode
@@ -199,6 +199,9 @@ class TrainerConfig(Model):
                                      description="Serve YAML path (repo-relative) or inline.")
     algorithm: Algorithm = Algorithm.NFT
     prompts: PromptSource = PromptSource.SHAPES
+    task: Task | None = Field(None, description="The task requested; None = the family's first "
+                              "(a conditioned task, e.g. fl2va, takes its condition media from "
+                              "the prompt files).")
     data: PromptFiles | None = Field(None, description="Prompt files; None = the synthetic "
                                      "`prompts` source (which the start-up probe always uses).")
     steps: int = Field(50, ge=1)

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from adapters.family import ModelFamily
+from adapters.family import MediaCondition, ModelFamily
 from contract import (Condition, ConfigError, PackedTensors, PolicyKind, PromptBundle,
                       Representation, SamplingSpec)
 from diffusion.step import Guidance, doubles_rows, predict_velocity
@@ -140,15 +140,26 @@ class Learner:
         return self.encode([conditioner.unconditional(p) for p in prompts])
 
     @torch.no_grad()
+    def media_conditions(self, samplings: Sequence[SamplingSpec],
+                         media: Sequence[Mapping | None] | None) -> list[MediaCondition]:
+        """Each request's encoded condition media (held state entries, model inputs) as the
+        rollout encoded them, recomputed by the same codec from the same media."""
+        return [self.family.codec.encode_media(
+            self.media_modules, sampling, dict(media[i] or {}) if media is not None else {})
+            for i, sampling in enumerate(samplings)]
+
+    @torch.no_grad()
     def forward_inputs(self, samplings: Sequence[SamplingSpec],
-                       media: Sequence[Mapping | None] | None,
-                       repeats: Sequence[int]) -> dict[str, torch.Tensor]:
+                       media: Sequence[Mapping | None] | None, repeats: Sequence[int],
+                       conditions: Sequence[MediaCondition] | None = None
+                       ) -> dict[str, torch.Tensor]:
         """The per-request forward inputs (condition media, position ids) the rollout computed,
-        recomputed by the same codec from the same media: (sum(repeats), ...) each."""
+        recomputed by the same codec from the same media (or given as `conditions`):
+        (sum(repeats), ...) each."""
         parts: dict[str, list[torch.Tensor]] = {}
-        for i, (sampling, rows) in enumerate(zip(samplings, repeats)):
-            given = dict(media[i] or {}) if media is not None else {}
-            inputs = self.family.codec.encode_media(self.media_modules, sampling, given).inputs
+        conditions = conditions or self.media_conditions(samplings, media)
+        for condition, rows in zip(conditions, repeats):
+            inputs = condition.inputs
             for name, value in inputs.items():
                 parts.setdefault(name, []).append(value.cpu().expand(rows, *value.shape[1:]))
         return {name: torch.cat(values) for name, values in parts.items()}

@@ -133,7 +133,7 @@ class Trainer:
         requests = make_requests(self.family, batch.bundles, cfg.sampler, cfg.samples_per_prompt,
                                  seed=(cfg.seed * 100_003 + k) * 1000,
                                  version=version or self.sampling_versions[-1],
-                                 metadata=batch.metadata, media=batch.media)
+                                 metadata=batch.metadata, media=batch.media, task=cfg.task)
         return Pending(k, batch.bundles, requests, self.client.submit(requests),
                        time.perf_counter(), batch.data_state)
 
@@ -170,7 +170,7 @@ class Trainer:
                                  e.samples_per_prompt, seed=e.seed,
                                  version=self.eval_version(), sampler=SamplerKind.ODE,
                                  num_steps=e.num_steps, metadata=extra_metadata,
-                                 media=extra_media)
+                                 media=extra_media, task=self.cfg.task)
         outputs = self.rollout(requests)
         totals = [r for o in outputs for r in o.rewards.total]
         out = {"eval_reward_mean": sum(totals) / len(totals)}

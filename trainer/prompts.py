@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import torch
 
 from adapters.family import ModelFamily
-from contract import PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec
+from contract import (PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec,
+                      Task)
 from diffusion.samplers import DETERMINISTIC
 from diffusion.windows import sample_sde_window
 from trainer.config import PromptSource, SamplerSettings
@@ -50,10 +51,11 @@ def request_window(settings: SamplerSettings, seed: int, index: int) -> tuple[in
 def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
                   sampler: SamplerKind | None = None, num_steps: int | None = None,
-                  metadata: Sequence[dict] | None = None, media: Sequence | None = None
-                  ) -> list[RolloutRequest]:
+                  metadata: Sequence[dict] | None = None, media: Sequence | None = None,
+                  task: Task | None = None) -> list[RolloutRequest]:
     """One request per prompt, `group` rows each with seeds seed + i*group + j; metadata[i]
-    (handed to the scorers) and media[i] (condition media) per prompt when given."""
+    (handed to the scorers) and media[i] (condition media) per prompt when given; `task`
+    (None = the family's first)."""
     kind = sampler or settings.sampler
     out = []
     for i, bundle in enumerate(bundles):
@@ -64,8 +66,8 @@ def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
             **settings.media_shape(dict(adapter.spec.sampling_defaults)))
-        task = next(iter(adapter.spec.tasks))
-        out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
+        out.append(RolloutRequest(prompt=bundle, sampling=sampling,
+                                  task=task or next(iter(adapter.spec.tasks)),
                                   media=media[i] if media else None,
                                   requested_artifacts=None, policy_version=version,
                                   metadata=dict(metadata[i]) if metadata else {}))

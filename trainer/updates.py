@@ -56,6 +56,10 @@ class Batch:
     inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the forward's
     # per-request inputs (condition media, position ids), (B, ...) each, as the rollout had them
     seeds: tuple[int, ...] = ()        # B rollout seeds: each row's training draws derive from it
+    frozen_mask: torch.Tensor | None = None   # (1, *S) bool: condition entries the rollout held
+    # (clean) at every step -- held in the trainer's noised inputs too; None = none
+    sigmas: torch.Tensor | None = None  # (N+1,) the rollouts' sigma table (conditions may
+    # change it, e.g. LTX-2's keyframe tokens); None = family.sigmas(sampling)
 
     @property
     def rows(self) -> int:
@@ -103,7 +107,20 @@ def _cat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory | None:
                       sampler=head.sampler, noise_level=head.noise_level,
                       guidance_scale=head.guidance_scale,
                       seeds=tuple(s for t in trajs for s in t.seeds),
-                      policy_version=head.policy_version)
+                      policy_version=head.policy_version,
+                      frozen_mask=_one_mask([t.frozen_mask for t in trajs]))
+
+
+def _one_mask(masks: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The condition mask (1, *S) rows of one batch share, or None when none has one."""
+    if all(m is None for m in masks):
+        return None
+    head = masks[0]
+    if any(m is None or m.shape[1:] != head.shape[1:] or not bool((m == head[:1]).all())
+           for m in masks):
+        raise InvalidRequestError("rollouts of one batch hold different condition entries",
+                                  field="trajectory.frozen_mask")
+    return head[:1]
 
 
 def _window_groups(trajs: Sequence[Trajectory | None], repeats: Sequence[int]
@@ -136,13 +153,15 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
     states, rewards, groups, versions = [], [], [], []
     scores: dict[str, list[float]] = {}
     per_scorer: dict[str, list[float]] = {}
-    for out, sampling in zip(outputs, samplings):
+    conditions = learner.media_conditions(samplings, media)
+    for out, sampling, condition in zip(outputs, samplings, conditions):
         if out.rewards is None:
             raise InvalidRequestError("rollout came back without rewards (no scorer configured)",
                                       field="rewards", request_id=out.request_id)
         latents = {n: a.data for n, a in out.artifacts.items() if a.spec.representation.value
                    == "latent"}
-        states.append(state_from_latents(family, latents, sampling))
+        states.append(family.codec.condition_state(state_from_latents(family, latents, sampling),
+                                                   sampling, condition))
         rewards.extend(out.rewards.total)
         groups.extend([out.request_id] * len(out.seeds))
         versions.extend([out.policy_version] * len(out.seeds))
@@ -163,8 +182,10 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
                  scores, samplings[0],
                  {k: torch.tensor(v, dtype=torch.float64) for k, v in per_scorer.items()},
                  weights, windows, uncond,
-                 learner.forward_inputs(samplings, media, repeats),
-                 tuple(s for o in outputs for s in o.seeds))
+                 learner.forward_inputs(samplings, media, repeats, conditions),
+                 tuple(s for o in outputs for s in o.seeds),
+                 _one_mask([None if c.frozen is None else c.frozen.mask for c in conditions]),
+                 family.request_sigmas(samplings[0], conditions[0]))
 
 
 def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
@@ -326,8 +347,10 @@ def _nft_run(learner: Learner, batch: Batch, r_all: torch.Tensor, rows: torch.Te
     v_ref; loss weight rows / total per draw / train_timesteps."""
     c, dev = cfg.nft, learner.device
     sub = batch.select(rows)
-    sigmas = learner.family.sigmas(batch.sampling)[:-1]
+    sigmas = learner.family.sigmas(batch.sampling) if batch.sigmas is None else batch.sigmas
+    sigmas = sigmas[:-1]
     x0, r = _on(sub.x0, dev), _on(r_all[rows], dev)                                    # (b,)
+    held = None if batch.frozen_mask is None else _on(batch.frozen_mask, dev)
     order = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), c.train_timesteps,
                           c.timesteps)                                                # (T, b)
     for k in range(c.train_timesteps):
@@ -335,6 +358,8 @@ def _nft_run(learner: Learner, batch: Batch, r_all: torch.Tensor, rows: torch.Te
         eps = row_randn(plan.noise_seed, sub.seeds, Draw.NFT_NOISE, k, x0.shape[1:], dev)
         s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
         x_sigma = (1 - s) * x0 + s * eps
+        if held is not None:             # condition entries stay clean, as in the rollout
+            x_sigma = torch.where(held, x0, x_sigma)
         with torch.no_grad():
             v_old = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.OLD, media=sub.inputs)
             v_ref = (learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.REFERENCE,
@@ -431,6 +456,8 @@ def _dpo_run(learner: Learner, batch: Batch, _values, unit: tuple[torch.Tensor, 
         noise = row_randn(plan.noise_seed, seeds, Draw.DPO_NOISE, d, x_w.shape[1:], dev)
         inp = dpo_pair_inputs(x_w, x_l, noise, sigma)
         x_in, s_in = torch.cat([inp.x_winner, inp.x_loser]), torch.cat([sigma, sigma])
+        if batch.frozen_mask is not None:    # condition entries stay clean, as in the rollout
+            x_in = torch.where(_on(batch.frozen_mask, dev), torch.cat([x_w, x_l]), x_in)
         v = learner.velocity(x_in, s_in, cond, PolicyRole.CURRENT, media=inputs)
         with torch.no_grad():
             v_ref = learner.velocity(x_in, s_in, cond, PolicyRole.REFERENCE, media=inputs)
