@@ -62,6 +62,14 @@ class PromptBundle(FrozenModel):
     def _check_token_ids(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if len(value) == 0:
             raise ValueError("token_ids must not be empty")
+        return _non_negative(value)
+
+    @field_validator("encoder_token_ids")
+    @classmethod
+    def _check_encoder_ids(cls, value: Mapping[str, tuple[int, ...]]
+                           ) -> Mapping[str, tuple[int, ...]]:
+        for ids in value.values():
+            _non_negative(ids)
         return value
 
     @field_validator("negative")
@@ -80,6 +88,15 @@ class PromptBundle(FrozenModel):
             raise ValueError(f"attention_mask has {len(value)} entries, "
                              f"token_ids has {len(token_ids)}")
         return value
+
+
+def _non_negative(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Token ids index an embedding table: a negative one is no token (the encoder would fail
+    on it as a server error)."""
+    bad = [i for i in ids if i < 0]
+    if bad:
+        raise ValueError(f"token ids must be >= 0, got {bad[:5]}")
+    return ids
 
 
 class SamplingSpec(FrozenModel):

@@ -114,6 +114,7 @@ def test_rollout_request_construction_and_checks_raise_only_typed_errors(family)
         assert s.num_steps <= LIMITS.max_steps and s.guidance_scale <= LIMITS.max_guidance_scale
         assert (s.height, s.width, s.num_frames) == (32, 32, 1)
         assert 1 <= len(request.prompt.token_ids) <= LIMITS.max_tokens
+        assert min(request.prompt.token_ids) >= 0
         assert len(request.requested_artifacts or ()) <= LIMITS.max_artifacts
 
     case()
