@@ -235,7 +235,8 @@ OVERSIZED = [({"prompts": [CAPTION], "samples_per_prompt": 10**9}, "samples_per_
 def test_oversized_requests_are_refused_fast_without_growing_the_ingress(graph, ray_cluster):
     """The ingress's own time (Server-Timing) and its peak RSS over 3 of each, from before
     the first: the peak includes Serve delivering the body (about 4 MiB for 500 KB) and the
-    allocator's first growth, which later requests reuse."""
+    allocator's first growth, which later requests reuse (measured: 0-11 MiB cold, the
+    10^5-prompt body the largest; <= 3 MiB warm)."""
     port = ray_cluster["http_port"]
     median_ms: dict[str, float] = {}
     growth_mib: dict[str, float] = {}
@@ -252,7 +253,7 @@ def test_oversized_requests_are_refused_fast_without_growing_the_ingress(graph, 
     print(f"ingress time per refusal, median of 3 (ms): {median_ms}; ingress peak RSS growth "
           f"(MiB): {growth_mib}")
     assert max(median_ms.values()) < 50.0, median_ms     # measured by the ingress itself
-    assert max(growth_mib.values()) < 12.0, growth_mib   # 10^9 seeds alone would be GBs
+    assert max(growth_mib.values()) < 16.0, growth_mib   # 10^9 seeds alone would be GBs
 
 
 DEPLOYMENTS = ("RolloutGraph", "TextEncoder", "DiTRollout", "Decoder_image_latent",
