@@ -267,12 +267,23 @@ def load_trainer_config(source: str | Path | dict[str, Any],
         raise ConfigError("a trainer config is a mapping of fields", field="config",
                           expected="mapping", actual=type(data).__name__)
     data = dict(data)
+    graph = data.get("graph", TrainerConfig.model_fields["graph"].default)
+    if isinstance(graph, (str, Path)) and any(k.startswith("graph.") for k in overrides or {}):
+        data["graph"] = _graph_fields(graph)        # `graph.*` overrides reach into the YAML
     for dotted, value in (overrides or {}).items():
         _override(data, dotted, value)
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as exc:
         raise config_error(exc, "invalid trainer config") from exc
+
+
+def _graph_fields(graph: str | Path) -> dict[str, Any]:
+    """The fields of a graph YAML named by path (repo-relative or absolute)."""
+    path = Path(graph)
+    if not path.is_absolute() and not path.exists():
+        path = REPO_ROOT / path
+    return load_graph_config(path).model_dump()
 
 
 def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
