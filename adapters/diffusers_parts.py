@@ -48,6 +48,15 @@ def tokenizer_max_length(root: Path, subfolder: str, default: int = 77) -> int:
     return int(value) if isinstance(value, (int, float)) and value < 1e9 else default
 
 
+def encoder_vocab_size(root: Path, component: str) -> int | None:
+    """The text encoder's vocabulary size from its config.json (nested text_config too)."""
+    if not (root / component / "config.json").is_file():
+        return None
+    config = read_json(root, component, "config.json")
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(size) if isinstance(size, int) else None
+
+
 class TokenizingConditioner(Conditioner):
     """Tokenization with the checkpoint's own tokenizers (loaded on first use), one per encoder,
     and padding to each encoder's window exactly as `padding="max_length"` pads."""

@@ -88,6 +88,7 @@ class EncoderSpec:
     max_length: int
     overflow: Overflow = Overflow.REJECT
     etp: ETPPlan | None = None
+    vocab_size: int | None = None       # ids must lie in [0, vocab_size) (None: not checked)
     extra_components: tuple[str, ...] = ()
 
 
@@ -192,11 +193,17 @@ class Conditioner(ABC):
         """{encoder: ids}: ids for exactly the family's encoders, each within its window."""
         ids = prompt.ids_by_encoder(self.spec.encoder_names)
         for name, seq in ids.items():
-            window = self.spec.encoder(name).max_length
-            if len(seq) > window:
+            spec = self.spec.encoder(name)
+            if len(seq) > spec.max_length:
                 raise LimitExceededError("prompt ids are longer than the encoder window",
-                                         field=f"{field}.{name}", expected=f"<= {window}",
+                                         field=f"{field}.{name}", expected=f"<= {spec.max_length}",
                                          actual=len(seq))
+            if spec.vocab_size is not None and seq and not 0 <= min(seq) <= max(seq) < \
+                    spec.vocab_size:
+                raise InvalidRequestError("a token id is outside the encoder's vocabulary",
+                                          field=f"{field}.{name}",
+                                          expected=f"ids in [0, {spec.vocab_size})",
+                                          actual=[i for i in seq if not 0 <= i < spec.vocab_size][:5])
         return ids
 
 

@@ -28,8 +28,8 @@ from torch import nn
 
 from adapters.checkpoint import read_json, read_model_index
 from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
-                                      TokenizingConditioner, clip_pooled, t5_hidden,
-                                      tokenizer_max_length)
+                                      TokenizingConditioner, clip_pooled, encoder_vocab_size,
+                                      t5_hidden, tokenizer_max_length)
 from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
                              Overflow, parse_options)
 from adapters.sd3 import image_io_spec
@@ -152,9 +152,10 @@ class FluxFamily(ModelFamily):
         vae = ImageVAE(self.root)
         encoders = (EncoderSpec("clip", "text_encoder", "tokenizer",
                                 tokenizer_max_length(self.root, "tokenizer"), Overflow.TRUNCATE,
-                                CLIP_ETP_PLAN),
+                                CLIP_ETP_PLAN, encoder_vocab_size(self.root, "text_encoder")),
                     EncoderSpec("t5", "text_encoder_2", "tokenizer_2",
-                                self.options.max_sequence_length, Overflow.REJECT, T5_ETP_PLAN))
+                                self.options.max_sequence_length, Overflow.REJECT, T5_ETP_PLAN,
+                                encoder_vocab_size(self.root, "text_encoder_2")))
         guidance = GuidanceKind.EMBEDDED if transformer.get("guidance_embeds") else \
             GuidanceKind.NONE
         side = 128 * vae.scale_factor       # FLUX.1's native 1024 px

@@ -39,9 +39,12 @@ def minilm_path(source: str = PACKAGE) -> Path:
     return Path(source)
 
 
-def minilm_encoder_spec(max_length: int) -> EncoderSpec:
+def minilm_encoder_spec(max_length: int, source: str = PACKAGE) -> EncoderSpec:
+    import json
+    vocab = json.loads((minilm_path(source) / "config.json").read_text()).get("vocab_size")
     return EncoderSpec(ENCODER, component="text_encoder", tokenizer="tokenizer",
-                       max_length=max_length, overflow=Overflow.REJECT, etp=BERT_ETP_PLAN)
+                       max_length=max_length, overflow=Overflow.REJECT, etp=BERT_ETP_PLAN,
+                       vocab_size=vocab)
 
 
 def load_minilm(source: str = PACKAGE, dtype: torch.dtype = torch.float32,

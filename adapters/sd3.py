@@ -26,8 +26,8 @@ from torch.nn import functional as F
 
 from adapters.checkpoint import read_json, read_model_index
 from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
-                                      TokenizingConditioner, clip_hidden_and_pooled, t5_hidden,
-                                      tokenizer_max_length)
+                                      TokenizingConditioner, clip_hidden_and_pooled,
+                                      encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (Codec, EncoderSpec, FamilySpec, ModelFamily, Overflow,
                              parse_options)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
@@ -133,15 +133,16 @@ class SD3Family(ModelFamily):
         self.schedule = FlowSchedule(self.root)
         vae = ImageVAE(self.root)
         clip_len = tokenizer_max_length(self.root, "tokenizer")
+        vocab = lambda component: encoder_vocab_size(self.root, component)   # noqa: E731
         encoders = [EncoderSpec("clip_l", "text_encoder", "tokenizer", clip_len,
-                                Overflow.TRUNCATE, CLIP_ETP_PLAN),
+                                Overflow.TRUNCATE, CLIP_ETP_PLAN, vocab("text_encoder")),
                     EncoderSpec("clip_g", "text_encoder_2", "tokenizer_2",
                                 tokenizer_max_length(self.root, "tokenizer_2"),
-                                Overflow.TRUNCATE, CLIP_ETP_PLAN)]
+                                Overflow.TRUNCATE, CLIP_ETP_PLAN, vocab("text_encoder_2"))]
         if index.get("text_encoder_3") and index["text_encoder_3"][0] is not None:
             encoders.append(EncoderSpec("t5", "text_encoder_3", "tokenizer_3",
                                         self.options.max_sequence_length, Overflow.REJECT,
-                                        T5_ETP_PLAN))
+                                        T5_ETP_PLAN, vocab("text_encoder_3")))
         side = int(transformer.get("sample_size", 128)) * vae.scale_factor
         self.spec = FamilySpec(
             name="sd3", io_spec=image_io_spec(Layout.LATENT_CHW), tasks={Task.T2I: ()},

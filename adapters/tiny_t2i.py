@@ -182,7 +182,7 @@ class TinyT2IFamily(ModelFamily):
             guidance=GuidanceKind.CFG,
             transformers=("transformer",),
             lora_targets={"transformer": SD3_LORA_TARGETS},
-            encoders=(minilm_encoder_spec(config.max_text_tokens),),
+            encoders=(minilm_encoder_spec(config.max_text_tokens, config.text_encoder),),
             decoders={"image_latent": ("vae",)},
             sampling_defaults={"height": config.image_size, "width": config.image_size,
                                "num_frames": 1})

@@ -299,7 +299,7 @@ class TinyT2VAFamily(ModelFamily):
             transformers=("transformer",),
             lora_targets={"transformer": ("attn.to_q", "attn.to_k", "attn.to_v",
                                           "attn.to_out.0", "ff.net.0.proj")},
-            encoders=(minilm_encoder_spec(config.max_text_tokens),),
+            encoders=(minilm_encoder_spec(config.max_text_tokens, config.text_encoder),),
             decoders={"video_latent": ("video_vae",), "audio_latent": ("audio_vae",)},
             media_encoders=("video_vae",),
             sampling_defaults={"height": config.image_size, "width": config.image_size,

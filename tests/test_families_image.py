@@ -153,3 +153,16 @@ def test_shipped_serve_configs_build_on_a_local_checkpoint(config, family, tiny_
     args["rollout"]["adapter"] = "auto"
     app = build_app(args)
     assert app is not None
+
+
+def test_token_ids_outside_an_encoders_vocabulary_are_refused_before_any_work(tiny_checkpoint):
+    from adapters.registry import get_family
+    family = get_family("sd3", tiny_checkpoint("sd3"), {"max_sequence_length": 32})
+    bundle = family.conditioner.tokenize(["a cat"])[0]
+    bad = bundle.model_copy(update={"encoder_token_ids": {**bundle.encoder_token_ids,
+                                                          "t5": (5, 99999)}})
+    request = RolloutRequest(prompt=bad, sampling=SamplingSpec(seeds=(0,), height=32, width=32),
+                             task=Task.T2I)
+    with pytest.raises(InvalidRequestError) as err:
+        family.validate_request(request, RequestLimits())
+    assert err.value.field == "prompt.t5" and err.value.actual == [99999]

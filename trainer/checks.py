@@ -244,7 +244,8 @@ def check_token_ids(held: Sequence[PromptBundle], outputs: Sequence[RolloutOutpu
 # ---- per step: log-prob parity ----------------------------------------------------------------
 @torch.no_grad()
 def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callable[[str], dict],
-                     versions: Sequence[str], tol: float, uncond=None) -> dict[str, float]:
+                     versions: Sequence[str], tol: float, uncond=None,
+                     media: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Recompute the first window step's log-prob with the sampled version's weights (held in the
     old adapter) on the stored fp32 trajectory; |ratio - 1| must be <= tol."""
     if trajectory is None or trajectory.window[1] <= trajectory.window[0]:
@@ -259,7 +260,8 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
             v = learner.velocity(trajectory.latents[rows, 0], sigma[rows],
                                  cond.index_select(index), PolicyRole.OLD,
                                  trajectory.guidance_scale,
-                                 None if uncond is None else uncond.index_select(index))
+                                 None if uncond is None else uncond.index_select(index),
+                                 {k: v[index] for k, v in (media or {}).items()} or None)
         sub = _rows(trajectory, rows)
         lp[rows] = recompute_step(sub, j, v).log_prob
     diff = (lp - trajectory.log_probs[:, 0]).abs()
