@@ -83,6 +83,9 @@ class RolloutGraph:
         self.io_spec = self.family.io_spec
         self.encoder, self.rollout_stage = encoder, rollout
         self.decoders, self.scorers = dict(decoders), dict(scorers)
+        self._stage_handles = {"encoder": encoder, "rollout": rollout,
+                               **{f"decoder.{k}": h for k, h in self.decoders.items()},
+                               **{f"scorer.{k}": h for k, h in self.scorers.items()}}
         self.scorer_specs = {s.name: s for s in config.scorers}
         self.combiner = RewardCombiner(config.reward_config) if config.scorers else None
         self._primaries: dict[str, str] | None = None
@@ -134,18 +137,36 @@ class RolloutGraph:
         return value
 
     async def _taken(self, stage: str, response, request_id: str):
-        """The ObjectRef of a stage call once a replica has taken it. When none does within
-        `stage_wait_s` (no replica running: its node is lost or it is restarting) the call is
-        cancelled -- it never runs later -- and the request fails as StageUnavailableError."""
+        """The ObjectRef of a stage call once a replica has taken it. Each `stage_wait_s` the
+        call has waited, the stage's replicas are counted: running ones that are all busy are
+        waited for (backpressure, not a fault); none running (its node is lost, it is
+        restarting) cancels the call -- it never runs later -- and fails the request as
+        StageUnavailableError."""
         wait_s = self.config.stage_wait_s
-        try:
-            return await asyncio.wait_for(response._to_object_ref(), timeout=wait_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise StageUnavailableError(f"no {stage} replica took the request within {wait_s} s "
-                                        "(none running: its node is lost or it is restarting); "
-                                        "retry later", field=stage, expected=f"<= {wait_s} s",
-                                        request_id=request_id) from None
+        taken = asyncio.ensure_future(response._to_object_ref())
+        while True:
+            done, _ = await asyncio.wait({taken}, timeout=wait_s)
+            if done:
+                return taken.result()
+            if await self._running_replicas(stage) == 0:
+                taken.cancel()
+                response.cancel()
+                raise StageUnavailableError(f"no {stage} replica is running (its node is lost "
+                                            "or it is restarting); retry later", field=stage,
+                                            expected=f"a replica within {wait_s} s",
+                                            request_id=request_id)
+
+    async def _running_replicas(self, stage: str) -> int:
+        """RUNNING replicas of a stage's deployment, from the Serve controller."""
+        from ray import serve
+        handle = self._stage_handles[stage]
+        app = serve.get_replica_context().app_name
+
+        def count() -> int:
+            status = serve.status().applications.get(app)
+            deployment = status.deployments.get(handle.deployment_name) if status else None
+            return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+        return await asyncio.to_thread(count)
 
     async def _stage_result(self, stage: str, response, request_id: str) -> Any:
         """A stage call's small result (`response` once taken, or its ObjectRef); a retryable

@@ -5,6 +5,11 @@ on demand when a request names it, and new replicas start from the latest, so a 
 every replica without broadcasting by hand. Refs are wrapped in a list so Ray passes them through
 unresolved; tensors travel object store -> replica only.
 
+The trainer's `ray.put` owns each version's object, and Ray frees an object when its owner
+exits; so the store adopts every version in the background -- one copy it owns, swapped in for the
+publisher's ref -- and the versions outlive the trainer (a graph keeps serving the trained policy
+after training ends, and a replica started later still finds it).
+
 The store survives its own death: Ray restarts it (max_restarts=-1) and retries calls made
 meanwhile (max_task_retries=-1). A restarted store is empty and says so -- `get` of a version it
 no longer holds and `latest` raise StageUnavailableError (503, retryable), never "no version" --
@@ -13,6 +18,9 @@ until the trainer, which owns the tensors (its `ray.put`), restores what it hold
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -42,6 +50,28 @@ class PolicyStore:
         self._incarnation = uuid.uuid4().hex          # new at every (re)start
         # a restarted store lost its versions: refuse lookups until the trainer restores them
         self._restored = not ray.get_runtime_context().was_current_actor_reconstructed
+        self._lock = threading.Lock()                 # the adopting thread swaps refs
+        self._adopter = concurrent.futures.ThreadPoolExecutor(1, "adopt")
+        self._adopted: set[str] = set()
+
+    def _adopt(self, version: str) -> None:
+        """Copy a version's tensors into an object this store owns (background thread)."""
+        with self._lock:
+            policy = self._policies.get(version)
+        if policy is None:
+            return
+        value = ray.get(policy.tensors[0])
+        own = ray.put(value)
+        del value
+        with self._lock:
+            if self._policies.get(version) is policy:
+                self._policies[version] = dataclasses.replace(policy, tensors=[own])
+                self._adopted.add(version)
+
+    def adopted(self) -> list[str]:
+        """Versions whose tensors this store owns (they survive their publisher)."""
+        with self._lock:
+            return [v for v in self._order if v in self._adopted]
 
     def incarnation(self) -> str:
         return self._incarnation
@@ -49,24 +79,33 @@ class PolicyStore:
     def publish(self, version: str, step: int, scale: float, tensors: list) -> str:
         """Register one version; returns this incarnation (a publisher seeing it change knows
         the store restarted since its last publish)."""
-        if version in self._policies:
-            raise PolicyVersionError("version already published", field="version",
-                                     actual=version)
-        self._policies[version] = PublishedPolicy(version, step, scale, tensors)
-        self._order.append(version)
-        while len(self._order) > self._keep:
-            self._policies.pop(self._order.pop(0))
+        with self._lock:
+            if version in self._policies:
+                raise PolicyVersionError("version already published", field="version",
+                                         actual=version)
+            self._policies[version] = PublishedPolicy(version, step, scale, tensors)
+            self._order.append(version)
+            self._trim()
+        self._adopter.submit(self._adopt, version)
         return self._incarnation
+
+    def _trim(self) -> None:
+        while len(self._order) > self._keep:
+            old = self._order.pop(0)
+            self._policies.pop(old)
+            self._adopted.discard(old)
 
     def restore(self, policies: Sequence[PublishedPolicy]) -> str:
         """Re-register the versions a publisher holds (oldest first) after a restart; lookups
         are answered again from then on. Returns this incarnation."""
-        missing = [p for p in policies if p.version not in self._policies]
-        self._policies.update({p.version: p for p in missing})
-        self._order = [p.version for p in missing] + self._order     # restored ones are older
-        while len(self._order) > self._keep:
-            self._policies.pop(self._order.pop(0))
-        self._restored = True
+        with self._lock:
+            missing = [p for p in policies if p.version not in self._policies]
+            self._policies.update({p.version: p for p in missing})
+            self._order = [p.version for p in missing] + self._order   # restored ones are older
+            self._trim()
+            self._restored = True
+        for p in missing:
+            self._adopter.submit(self._adopt, p.version)
         return self._incarnation
 
     def _unavailable(self, field: str, version: str | None = None) -> StageUnavailableError:
@@ -74,20 +113,23 @@ class PolicyStore:
                                      "restored yet; retry shortly", field=field, actual=version)
 
     def get(self, version: str) -> PublishedPolicy:
-        if version not in self._policies:
-            if not self._restored:
-                raise self._unavailable("policy_store", version)
-            raise PolicyVersionError("unknown policy version", field="policy_version",
-                                     expected=list(self._order), actual=version)
-        return self._policies[version]
+        with self._lock:
+            if version not in self._policies:
+                if not self._restored:
+                    raise self._unavailable("policy_store", version)
+                raise PolicyVersionError("unknown policy version", field="policy_version",
+                                         expected=list(self._order), actual=version)
+            return self._policies[version]
 
     def latest(self) -> PublishedPolicy | None:
-        if not self._restored:
-            raise self._unavailable("policy_store")
-        return self._policies[self._order[-1]] if self._order else None
+        with self._lock:
+            if not self._restored:
+                raise self._unavailable("policy_store")
+            return self._policies[self._order[-1]] if self._order else None
 
     def versions(self) -> list[str]:
-        return list(self._order)
+        with self._lock:
+            return list(self._order)
 
 
 HEAD_NODE = {"node:__internal_head__": 0.001}    # a resource only Ray's head node has

@@ -13,6 +13,7 @@ import time
 from typing import Mapping, Sequence
 
 import torch
+from ray.exceptions import ObjectLostError
 
 from contract import Condition, PolicyVersionError, RequestLimits, RolloutRequest, StageOutput
 from deployments.memory import guard_replica_memory
@@ -56,7 +57,12 @@ class DiTRolloutServer:
                 t0 = time.perf_counter()
                 policy = await self.store.get.remote(version)
                 t1 = time.perf_counter()
-                tensors = (await policy.tensors[0]).unpack()    # views into one buffer
+                try:
+                    tensors = (await policy.tensors[0]).unpack()    # views into one buffer
+                except ObjectLostError as exc:    # not a replica death: the version is gone
+                    raise PolicyVersionError("the tensors of this version are lost (their "
+                                             "publisher exited before the store kept a copy)",
+                                             field="policy_version", actual=version) from exc
                 t2 = time.perf_counter()
                 # the fetched buffer belongs to this replica alone: keep views, no copy
                 await asyncio.to_thread(self.engine.load_lora, version, tensors, policy.scale,
