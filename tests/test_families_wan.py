@@ -17,6 +17,7 @@ from contract import (ConfigError, InvalidRequestError, LimitExceededError, LoRA
                       MediaInput, MediaRole, Modality, RequestLimits, RolloutRequest,
                       SamplingSpec, Task)
 from diffusion.guidance import cfg_velocity
+from diffusion.noise import initial_noise
 from diffusion.step import Guidance, predict_velocity
 from tests.family_conformance import NEGATIVE, PROMPTS, FamilyConformance
 
@@ -230,6 +231,60 @@ class TestWan22(WanConformance):
             assert "component" in str(err.value)
         finally:
             engine.unload_lora("low-only")
+
+
+    def test_lora_components_train_only_the_named_expert(self, fam, encoders, engine):
+        """lora.components = [transformer_2]: only the low-noise expert carries (and trains) the
+        adapter; its export loads into the engine's slots and samples as merged weights do."""
+        from trainer import checks
+        from trainer.config import OptimizerConfig
+        from trainer.learner import Learner
+        from trainer.lora import LoRATrainConfig, PolicyRole, lora_layers
+        with pytest.raises(ConfigError) as err:
+            Learner(fam, fam.load_transformers(), encoders,
+                    LoRATrainConfig(rank=2, alpha=2, components=("transformer_3",)),
+                    OptimizerConfig())
+        assert err.value.field == "lora.components"
+        from trainer.config import load_trainer_config
+        with pytest.raises(ConfigError) as err:                  # full FT trains every expert
+            load_trainer_config({"learner": {"fine_tune": "full"},
+                                 "lora": {"components": ["transformer_2"]}})
+        assert err.value.field == "lora.components"
+        learner = Learner(fam, fam.load_transformers(), encoders,
+                          LoRATrainConfig(rank=2, alpha=2, components=("transformer_2",)),
+                          OptimizerConfig())
+        assert not lora_layers(learner.models["transformer"])
+        assert lora_layers(learner.models["transformer_2"])
+        tensors, scale = checks.probe_lora(learner)
+        assert tensors and all(k.startswith("transformer_2.") for k in tensors)
+        learner.load_adapter("default", tensors)
+        prompts = fam.conditioner.tokenize([PROMPTS[0]] * 2)
+        cond = learner.encode(prompts)
+        x = torch.randn(2, 16, 3, 4, 6, generator=torch.Generator().manual_seed(4))
+        sigma = torch.tensor([0.95, 0.3])                       # high-noise row, low-noise row
+        v = learner.velocity(x, sigma, cond)
+        with torch.no_grad():
+            v_ref = learner.velocity(x, sigma, cond, PolicyRole.REFERENCE)
+        assert torch.equal(v[0], v_ref[0]) and float((v[1] - v_ref[1]).abs().max().detach()) > 1e-3
+        v.square().mean().backward()
+        assert all(p.grad is not None for p in learner.params)
+        assert all(p.grad is None for p in learner.models["transformer"].parameters())
+        engine.load_lora("probe-low", tensors, scale)           # one expert's slot only
+        try:
+            sampling = SamplingSpec(num_steps=4, seeds=(0, 1), sampler="ode", noise_level=0.0,
+                                    **SIZE)
+            local = checks.sample_local_ode(learner, checks.merged_copy(learner, tensors, scale),
+                                            prompts[:1], [0, 1], 4, sampling)
+            x = initial_noise((0, 1), (16, 3, 4, 6))             # the engine's Euler ODE
+            sigmas = fam.sigmas(sampling)
+            with engine.slots.active("probe-low"):
+                for i in range(4):
+                    v = predict_velocity(fam.denoiser, engine.models, x, sigmas[i].expand(2),
+                                         cond, Guidance.none(2))
+                    x = x + (sigmas[i + 1] - sigmas[i]) * v
+            assert float((x - local).abs().max()) <= 1e-4
+        finally:
+            engine.unload_lora("probe-low")
 
 
 class TestWan21I2V(WanConformance):

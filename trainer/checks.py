@@ -190,7 +190,8 @@ def _reference(models: Mapping[str, torch.nn.Module]) -> Iterator[None]:
     """Adapters disabled on every model (the base weights, here with a LoRA merged in)."""
     with ExitStack() as stack:
         for model in models.values():
-            stack.enter_context(use_policy(model, PolicyRole.REFERENCE))
+            if lora_layers(model):        # an expert the adapter leaves out has no LoRA
+                stack.enter_context(use_policy(model, PolicyRole.REFERENCE))
         yield
 
 

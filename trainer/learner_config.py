@@ -106,6 +106,9 @@ def check_recipe(cfg) -> None:
         raise ConfigError("colocated learners train while the rollout engines sleep: the next "
                           "batch cannot be sampled meanwhile", field="learner.placement",
                           expected="pipeline.mode: serial", actual=cfg.pipeline.mode.value)
+    if learner.fine_tune is PolicyKind.FULL and cfg.lora.components is not None:
+        raise ConfigError("a full fine-tune trains every transformer", field="lora.components",
+                          expected=None, actual=list(cfg.lora.components))
     if learner.fine_tune is PolicyKind.FULL and cfg.lora.init_from is not None:
         raise ConfigError("a LoRA file cannot start a full fine-tune", field="lora.init_from",
                           expected=None, actual=cfg.lora.init_from)

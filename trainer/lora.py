@@ -48,6 +48,10 @@ class LoRATrainConfig(BaseModel):
     init: LoRAInit = Field(LoRAInit.GAUSSIAN, description="init of lora_A; lora_B starts at 0")
     init_from: str | None = Field(None, description="a diffusers LoRA file (or folder) as the "
                                   "initial policy; its rank and alpha must equal rank / alpha")
+    components: tuple[str, ...] | None = Field(
+        None, min_length=1, description="the transformer components that carry the trained "
+        "adapter (Wan 2.2: 'transformer' = the high-noise expert, 'transformer_2' = the "
+        "low-noise one); the others run with their base weights in every policy. None = all")
 
 
 class PolicyRole(str, Enum):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from adapters.lora_targets import LoRATargetMap
-from contract import LoRAMapError, PackedTensors, PolicyKind
+from contract import ConfigError, LoRAMapError, PackedTensors, PolicyKind
 from trainer.algorithms.nft import ema_update
 from trainer.lora import (OLD_ADAPTER, TRAIN_ADAPTER, LoRATrainConfig, PolicyRole, attach_lora,
                           export_lora_packed, lora_layers, lora_scale, refresh_old,
@@ -75,8 +75,9 @@ class LoRAWeights(PolicyWeights):
 
     def __init__(self, models: Models, lora_targets: Mapping[str, tuple[str, ...]],
                  config: LoRATrainConfig):
-        self.models = dict(models)
-        for name, model in self.models.items():
+        self.models = dict(models)                   # every component the forward runs
+        self.trained = _trained(self.models, config.components)
+        for name, model in self.trained.items():
             attach_lora(model, LoRATargetMap.identity(lora_targets[name]), config)
             for _, layer in lora_layers(model):          # fp32 master weights on any base dtype
                 for part in (layer.lora_A, layer.lora_B):
@@ -84,12 +85,12 @@ class LoRAWeights(PolicyWeights):
                         part[adapter].float()
 
     def trainable(self) -> list[nn.Parameter]:
-        return [p for m in self.models.values() for p in trainable_parameters(m)]
+        return [p for m in self.trained.values() for p in trainable_parameters(m)]
 
     @contextmanager
     def use(self, role: PolicyRole) -> Iterator[Models]:
         with ExitStack() as stack:
-            for model in self.models.values():
+            for model in self.trained.values():
                 stack.enter_context(use_policy(model, role))
             yield self.models
 
@@ -99,7 +100,7 @@ class LoRAWeights(PolicyWeights):
             model = next(iter(self.models.values()))
             return export_lora_packed(model, adapter), lora_scale(model, adapter)
         tensors, scales = {}, set()
-        for name, model in self.models.items():
+        for name, model in self.trained.items():
             part = export_lora_packed(model, adapter).unpack()
             tensors.update({f"{name}.{k}": v for k, v in part.items()})
             scales.add(lora_scale(model, adapter))
@@ -112,7 +113,7 @@ class LoRAWeights(PolicyWeights):
         _check_adapter(adapter)
         seen = set()
         with torch.no_grad():
-            for component, model in self.models.items():
+            for component, model in self.trained.items():
                 prefix = self._prefix(component)
                 for name, layer in lora_layers(model):
                     for part in ("lora_A", "lora_B"):
@@ -128,8 +129,20 @@ class LoRAWeights(PolicyWeights):
                                field="lora", actual=extra[:5])
 
     def refresh_old(self, decay: float) -> None:
-        for model in self.models.values():
+        for model in self.trained.values():
             refresh_old(model, decay)
+
+
+def _trained(models: Models, components: tuple[str, ...] | None) -> Models:
+    """The components that carry the adapter (`lora.components`; None = all), checked."""
+    if components is None:
+        return dict(models)
+    unknown = [c for c in components if c not in models]
+    if unknown or len(set(components)) != len(components):
+        raise ConfigError("lora.components names each trained transformer once",
+                          field="lora.components", expected=sorted(models),
+                          actual=list(components))
+    return {name: model for name, model in models.items() if name in components}
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
