@@ -149,8 +149,19 @@ def run(size: CheckSize, out: Path, budget_s: float | None = None) -> dict:
             measure_all(report, setup)
         finally:
             asyncio.run(setup.engine.shutdown())
-    report.write()
+    report.measure("imports", imports)
     return report.data
+
+
+def imports() -> dict:
+    """The distributions the project modules this run loaded import at module level, and those
+    of them the GPU machine lacks (bench/gpu_env.py: its packages + the carried wheels)."""
+    import sys
+
+    from bench.gpu_env import missing_on_gpu, module_level_imports
+    found = module_level_imports(sys.modules)
+    return {"distributions": {d: sorted(mods)[:4] for d, mods in sorted(found.items())},
+            "missing_on_gpu_machine": missing_on_gpu(set(found))}
 
 
 def measure_all(report: Report, setup: m.Setup) -> None:

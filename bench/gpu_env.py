@@ -16,6 +16,8 @@ import re
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType
+from typing import Mapping
 
 # Pinned to the versions the project is tested with here.
 WHEELS = ("diffusers==0.42.1", "pydantic==2.14.4", "pydantic-core==2.50.5",
@@ -71,6 +73,43 @@ def missing_on_gpu(distributions: set[str] | frozenset[str]) -> list[str]:
     """Those of `distributions` that the GPU machine would not have."""
     have = available()
     return sorted(d for d in {normalize(x) for x in distributions} if d not in have)
+
+
+PROJECT_PACKAGES = ("adapters", "bench", "contract", "deployments", "diffusion", "rewards",
+                    "rollout", "scripts", "synthetic", "trainer")
+
+
+def module_level_imports(modules: Mapping[str, ModuleType]) -> dict[str, set[str]]:
+    """{distribution: project modules importing it at module level} over the project modules in
+    `modules` (e.g. sys.modules after importing what the GPU check runs). Imports inside
+    functions are left out: they run only when called."""
+    import ast
+    import importlib.metadata
+
+    by_top = importlib.metadata.packages_distributions()
+    std = set(sys.stdlib_module_names)
+    out: dict[str, set[str]] = {}
+    for name, module in sorted(modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] not in PROJECT_PACKAGES or not path:
+            continue
+        tree = ast.parse(Path(path).read_text())
+        nodes = list(tree.body)
+        while nodes:                         # module level, through if / try blocks
+            node = nodes.pop()
+            if isinstance(node, (ast.If, ast.Try)):
+                nodes.extend(node.body + node.orelse + getattr(node, "finalbody", []) +
+                             [s for h in getattr(node, "handlers", []) for s in h.body])
+                continue
+            tops = ([a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module.split(".")[0]] if isinstance(node, ast.ImportFrom)
+                    and node.level == 0 and node.module else [])
+            for top in tops:
+                if top in std or top in PROJECT_PACKAGES or top == "__future__":
+                    continue
+                for dist in by_top.get(top, [top]):
+                    out.setdefault(normalize(dist), set()).add(name)
+    return out
 
 
 _MARKER_ENV = {"python_version": "3.12", "sys_platform": "linux", "platform_machine": "x86_64",
