@@ -110,3 +110,31 @@ def test_everything_it_imports_is_on_the_gpu_machine(tiny_run):
     assert {"torch", "diffusers", "pydantic", "peft"} <= set(imports["distributions"])
     assert imports["missing_on_gpu_machine"] == []
     assert missing_on_gpu({"ray", "torch"}) == ["ray"]          # Ray stays behind
+
+
+def test_plain_loop_samples_what_the_engine_samples(tmp_path):
+    """The baselines do the engine's work: the same rows, seeds, sigmas and CFG give the same
+    final latents (fp32), whether the engine packs the requests or the loop stacks them."""
+    import asyncio
+    import dataclasses
+
+    from bench import gpu_measures as m
+    from bench.gpu_check import TINY
+    from bench.plain_loop import plain_loop
+    from rollout.config import EngineLimits
+    from rollout.engine import EmbeddedEngine
+
+    setup = m.build(dataclasses.replace(TINY, dtype="float32"), tmp_path / "sd35")
+    m.calibrate(setup)
+    engine = EmbeddedEngine(setup.family, {"transformer": setup.model}, {},
+                            EngineLimits(max_batch_rows=4))
+    try:
+        requests = m.make_requests(setup, 3, 64, 4, rows=2)
+        results = m.run_engine(engine, requests, concurrent=True)
+    finally:
+        asyncio.run(engine.shutdown())
+    engine_x = torch.cat([r.latents["image_latent"].data for r in results])
+    loop_x = plain_loop(setup.family, {"transformer": setup.model}, requests)
+    assert engine_x.shape == loop_x.shape == (6, 16, 8, 8)
+    torch.testing.assert_close(loop_x, engine_x, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(engine_x[0], engine_x[1])            # rows have their own seeds
