@@ -150,7 +150,42 @@ def run(size: CheckSize, out: Path, budget_s: float | None = None) -> dict:
         finally:
             asyncio.run(setup.engine.shutdown())
     report.measure("imports", imports)
+    report.measure("plot", lambda: plot(report.data, out.with_suffix(".png")))
     return report.data
+
+
+def plot(data: dict, path: Path) -> dict:
+    """samples/s of each rollout mode per resolution; the learner's step time and peak memory
+    with the parity figure per resolution."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sides = [k for k in data.get("rollout", {})]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
+    width = 0.8 / len(m.MODES)
+    for i, mode in enumerate(m.MODES):
+        values = [data["rollout"][k].get(mode, {}).get("samples_per_s", 0.0) for k in sides]
+        ax1.bar([j + i * width for j in range(len(sides))], values, width, label=mode)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(sides))], sides)
+    ax1.set_ylabel("samples / s")
+    ax1.set_title(f"{data['requests']} requests x {data['steps']} SDE steps, CFG "
+                  f"{data['guidance_scale']:g}, {data['dtype']}", fontsize=9)
+    ax1.legend(fontsize=8)
+    learner = [data.get("learner", {}).get(k, {}) for k in sides]
+    ax2.bar(sides, [entry.get("seconds", 0.0) for entry in learner], color="C4")
+    for j, (k, entry) in enumerate(zip(sides, learner)):
+        peak = entry.get("peak_gpu_mib")
+        par = data.get("parity", {}).get(k, {}).get("max_abs_ratio_minus_1")
+        label = (f"peak {peak / 1024:.1f} GiB\n" if peak else "") + \
+            (f"|ratio-1| {par:.1e}" if par is not None else "")
+        ax2.text(j, entry.get("seconds", 0.0), label, ha="center", va="bottom", fontsize=8)
+    ax2.set_ylabel("seconds per grpo_update (1 timestep)")
+    ax2.set_title(f"learner: {data['group']} rows, bf16 + gradient checkpointing", fontsize=9)
+    fig.suptitle(f"GPU check ({data['size']}): {data.get('model', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return {"path": str(path)}
 
 
 def imports() -> dict:

@@ -16,7 +16,8 @@
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
 #
-# Its $OUT gets gpu_check.json and gpu_check.log; copy the JSON to bench/results/gpu_check.json.
+# Its $OUT gets gpu_check.json, gpu_check.png and gpu_check.log; copy the JSON and the PNG to
+# bench/results/.
 # Other options go to bench.gpu_check (--budget-s S, --dtype D). Exit status: 0 when every
 # measurement ran (parity beyond its tolerance is a recorded finding, not a failure).
 set -uo pipefail
@@ -83,5 +84,6 @@ fi
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ -f "$out" ] && \
         [ "$(realpath "$out")" != "$(realpath "$OUT")/$(basename "$out")" ]; then
     cp "$out" "$OUT/gpu_check.json"
+    [ -f "${out%.json}.png" ] && cp "${out%.json}.png" "$OUT/gpu_check.png"
 fi
 exit "$rc"

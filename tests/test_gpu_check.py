@@ -74,8 +74,9 @@ def test_tiny_run_measures_everything(tiny_run):
             2 * parity["max_abs_ratio_minus_1"]
     settings = data["learner"]["setup"]["settings"]
     assert settings["gradient_checkpointing"] and settings["dtype"] == "bfloat16"
-    # what the device machine's $OUT receives: the JSON and the log
+    # what the device machine's $OUT receives: the JSON, its plot and the log
     assert json.loads((out_dir / "gpu_check.json").read_text()) == data
+    assert (out_dir / "gpu_check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[gpu_check] wrote" in (out_dir / "gpu_check.log").read_text()
 
 
