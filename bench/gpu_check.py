@@ -1,7 +1,7 @@
 """GPU check at real model size: SD3.5-medium's transformer (random weights) in-process on one GPU.
 
-    python -m bench.gpu_check              # full size, cuda, bf16 -> bench/results/gpu_check.json
-    python -m bench.gpu_check --tiny       # the same code at a tiny size on the CPU
+    python -m bench.gpu_check          # full size, cuda, bf16 -> bench/results/gpu_check.json + .png
+    python -m bench.gpu_check --tiny   # the same code at a tiny size on the CPU
 
 (`scripts/gpu_check.sh` runs it on the GPU machine after installing the carried wheels;
 docs/GPU_CHECK.md.) A config-only checkpoint folder with the published SD3.5-medium configs
