@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
+from ray.experimental import internal_kv
 
 from contract import PolicyVersionError, StageUnavailableError
 
@@ -48,8 +49,13 @@ class PolicyStore:
         self._policies: dict[str, PublishedPolicy] = {}
         self._order: list[str] = []
         self._incarnation = uuid.uuid4().hex          # new at every (re)start
-        # a restarted store lost its versions: refuse lookups until the trainer restores them
-        self._restored = not ray.get_runtime_context().was_current_actor_reconstructed
+        # A restarted store lost its versions: refuse lookups until the trainer restores them.
+        # Whether there were any is kept in the GCS (it outlives the actor): a store that had
+        # none is simply empty after a restart.
+        context = ray.get_runtime_context()
+        self._held_key = f"omni_policy_store:{context.get_actor_name()}:held".encode()
+        self._restored = not (context.was_current_actor_reconstructed and
+                              internal_kv._internal_kv_exists(self._held_key))
         self._lock = threading.Lock()                 # the adopting thread swaps refs
         self._adopter = concurrent.futures.ThreadPoolExecutor(1, "adopt")
         self._adopted: set[str] = set()
@@ -86,6 +92,7 @@ class PolicyStore:
             self._policies[version] = PublishedPolicy(version, step, scale, tensors)
             self._order.append(version)
             self._trim()
+        internal_kv._internal_kv_put(self._held_key, b"1", overwrite=True)
         self._adopter.submit(self._adopt, version)
         return self._incarnation
 
