@@ -19,18 +19,15 @@ from diffusers import AutoencoderKL, SD3Transformer2DModel
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters import inference_form
-from adapters.checkpoint import resolve_dtype
-from adapters.family import Codec, FamilySpec, ModelFamily
+from adapters.embedded import EmbeddedFamily
+from adapters.family import Codec, FamilySpec
 from adapters.lora_targets import LoRATarget, LoRATargetMap
-from adapters.minilm import ENCODER, PACKAGE, MiniLMConditioner, load_minilm, minilm_encoder_spec
-from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+from adapters.minilm import ENCODER, PACKAGE, MiniLMConditioner, minilm_encoder_spec
+from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, Modality, Representation, SamplingSpec, Task,
                       TimeConvention)
-from diffusion.schedule import flow_match_sigmas
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tiny_t2i"
-ADAPTER_CONFIG = "adapter.json"
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                     "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj")
 
@@ -139,9 +136,12 @@ class TinyT2ICodec(Codec):
             return vae_decode(modules["vae"], latent)                       # (B, 3, H, W) u8
 
 
-class TinyT2IFamily(ModelFamily):
+class TinyT2IFamily(EmbeddedFamily):
     """Text -> 32x32 RGB image (Task.T2I)."""
 
+    components = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
+    config_cls = TinyT2IConfig
+    shipped = SHIPPED_WEIGHTS
     # the packed layout of the vLLM-Omni engine (fused q/k/v, fc1 in 2 shards ordered (1, 0))
     packed_lora_map = LoRATargetMap(
         targets=(
@@ -157,15 +157,7 @@ class TinyT2IFamily(ModelFamily):
         fc1_train_suffix="ff.net.0.proj", fc1_infer_suffix="ff.net.0.proj",
         fc1_shards=2, fc1_shard_order=(1, 0))
 
-    def __init__(self, root: str | Path | None = None, config: TinyT2IConfig | None = None):
-        super().__init__(SHIPPED_WEIGHTS if root is None else root)
-        if config is None:
-            path = self.root / ADAPTER_CONFIG
-            if not path.is_file():
-                raise ConfigError("tiny_t2i weights are incomplete", field="weights_path",
-                                  expected=f"{ADAPTER_CONFIG}, transformer/, vae/",
-                                  actual=str(path))
-            config = TinyT2IConfig.model_validate_json(path.read_text())
+    def set_config(self, config: TinyT2IConfig) -> None:
         self.config = config
         self.spec = FamilySpec(
             name="tiny_t2i",
@@ -190,25 +182,6 @@ class TinyT2IFamily(ModelFamily):
         self.denoiser = SD3StyleDenoiser()
         self.codec = TinyT2ICodec(config)
 
-    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
-        return flow_match_sigmas(sampling.num_steps, shift=1.0)
-
-    # ---- components -------------------------------------------------------------------
-    def load(self, component: str, dtype=torch.float32, device="cpu"):
-        dtype = resolve_dtype(dtype, device)
-        if component == "text_encoder":
-            return load_minilm(self.config.text_encoder, dtype, device)
-        classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL}
-        if component not in classes:
-            raise ConfigError("tiny_t2i has no such component", field="component",
-                              expected=["text_encoder", *classes], actual=component)
-        path = self.root / component
-        if not (path / "config.json").is_file():
-            raise ConfigError("tiny_t2i weights are incomplete", field="weights_path",
-                              expected=str(path / "config.json"), actual=str(self.root))
-        module = classes[component].from_pretrained(path, dtype=dtype)
-        return module.to(device).eval().requires_grad_(False)
-
     def build(self, transformer_config: Mapping | None = None,
               vae_config: Mapping | None = None, seed: int = 0) -> dict[str, nn.Module]:
         """Freshly initialised transformer and VAE (the starting point of pretraining)."""
@@ -216,21 +189,6 @@ class TinyT2IFamily(ModelFamily):
         return {"transformer": SD3Transformer2DModel(
                     **(transformer_config or default_transformer_config())).eval(),
                 "vae": AutoencoderKL(**(vae_config or default_vae_config())).eval()}
-
-    def save(self, modules: Mapping[str, nn.Module], path: str | Path) -> None:
-        """Write transformer/, vae/ (safetensors + config.json) and adapter.json under `path`."""
-        root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        for name in ("transformer", "vae"):
-            modules[name].save_pretrained(root / name, safe_serialization=True)
-        (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
-
-    def to_inference_form(self, transformer: nn.Module) -> nn.Module:
-        """The packed layout (fused q/k/v, fc1 in 2 shards ordered (1, 0)): a converted copy."""
-        return inference_form.to_inference_form(transformer, self.packed_lora_map)
-
-    def packed_form(self, component: str, transformer: nn.Module):
-        return self.to_inference_form(transformer), self.packed_lora_map
 
 
 __all__ = ["ENCODER", "SHIPPED_WEIGHTS", "SD3StyleDenoiser", "TinyT2IConfig", "TinyT2IFamily",

@@ -25,22 +25,19 @@ from diffusers import AutoencoderKL
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters import inference_form
-from adapters.checkpoint import resolve_dtype
-from adapters.family import Codec, FamilySpec, MediaCondition, ModelFamily
+from adapters.embedded import EmbeddedFamily
+from adapters.family import Codec, FamilySpec, MediaCondition
 from adapters.lora_targets import LoRATarget, LoRATargetMap
-from adapters.minilm import MiniLMConditioner, load_minilm, minilm_encoder_spec
+from adapters.minilm import MiniLMConditioner, minilm_encoder_spec
 from adapters.tiny_audio_vae import TinyAudioVAE
 from adapters.tiny_t2i import vae_decode, vae_encode
 from adapters.tiny_t2va_model import TinyAVTransformer
-from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, MediaFormatError, MediaRole, Modality, Representation,
                       SamplingSpec, Task, TimeConvention)
-from diffusion.schedule import flow_match_sigmas
 from diffusion.step import FrozenLatents
 
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights" / "tiny_t2va"
-ADAPTER_CONFIG = "adapter.json"
 FRAME_ROLES = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)
 
 
@@ -255,9 +252,12 @@ class TinyT2VACodec(Codec):
                               inputs={"frame_flags": self.frame_flags(latents)})
 
 
-class TinyT2VAFamily(ModelFamily):
+class TinyT2VAFamily(EmbeddedFamily):
     """Text (+ first/last frame) -> 1 s of 8x32x32 video + 16 kHz mono audio."""
 
+    components = COMPONENTS
+    config_cls = TinyT2VAConfig
+    shipped = SHIPPED_WEIGHTS
     packed_lora_map = LoRATargetMap(
         targets=(LoRATarget("attn.to_q", "attn.to_qkv", 0, 3),
                  LoRATarget("attn.to_k", "attn.to_qkv", 1, 3),
@@ -265,17 +265,6 @@ class TinyT2VAFamily(ModelFamily):
                  LoRATarget("attn.to_out.0", "attn.to_out.0")),
         fc1_train_suffix="ff.net.0.proj", fc1_infer_suffix="ff.net.0.proj",
         fc1_shards=2, fc1_shard_order=(1, 0))
-
-    def __init__(self, root: str | Path | None = None, config: TinyT2VAConfig | None = None):
-        super().__init__(SHIPPED_WEIGHTS if root is None else root)
-        if config is None:
-            path = self.root / ADAPTER_CONFIG
-            if not path.is_file():
-                raise ConfigError("tiny_t2va weights are incomplete", field="weights_path",
-                                  expected=f"{ADAPTER_CONFIG}, " + ", ".join(COMPONENTS),
-                                  actual=str(path))
-            config = TinyT2VAConfig.model_validate_json(path.read_text())
-        self.set_config(config)
 
     def set_config(self, config: TinyT2VAConfig) -> None:
         self.config = config
@@ -308,44 +297,12 @@ class TinyT2VAFamily(ModelFamily):
         self.codec = TinyT2VACodec(config)
         self.denoiser = TinyAVDenoiser(self.codec)
 
-    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
-        return flow_match_sigmas(sampling.num_steps, shift=1.0)
-
-    # ---- components -------------------------------------------------------------------
-    def load(self, component: str, dtype=torch.float32, device="cpu"):
-        dtype = resolve_dtype(dtype, device)
-        if component == "text_encoder":
-            return load_minilm(self.config.text_encoder, dtype, device)
-        if component not in COMPONENTS:
-            raise ConfigError("tiny_t2va has no such component", field="component",
-                              expected=["text_encoder", *COMPONENTS], actual=component)
-        path = self.root / component
-        if not (path / "config.json").is_file():
-            raise ConfigError("tiny_t2va weights are incomplete", field="weights_path",
-                              expected=str(path / "config.json"), actual=str(self.root))
-        module = COMPONENTS[component].from_pretrained(path, dtype=dtype)
-        return module.to(device).eval().requires_grad_(False)
-
     def build(self, seed: int = 0) -> dict[str, nn.Module]:
         """Freshly initialised transformer and VAEs (the starting point of pretraining)."""
         torch.manual_seed(seed)
         return {"transformer": TinyAVTransformer(**default_transformer_config(self.config)).eval(),
                 "video_vae": AutoencoderKL(**default_video_vae_config()).eval(),
                 "audio_vae": TinyAudioVAE(**default_audio_vae_config()).eval()}
-
-    def save(self, modules: Mapping[str, nn.Module], path: str | Path) -> None:
-        root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        for name in COMPONENTS:
-            modules[name].save_pretrained(root / name, safe_serialization=True)
-        (root / ADAPTER_CONFIG).write_text(self.config.model_dump_json(indent=2) + "\n")
-
-    def to_inference_form(self, transformer: nn.Module) -> nn.Module:
-        """The packed layout (fused q/k/v, fc1 in 2 shards ordered (1, 0)): a converted copy."""
-        return inference_form.to_inference_form(transformer, self.packed_lora_map)
-
-    def packed_form(self, component: str, transformer: nn.Module):
-        return self.to_inference_form(transformer), self.packed_lora_map
 
 
 def _numel(shape: Sequence[int]) -> int:
