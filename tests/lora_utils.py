@@ -19,3 +19,12 @@ def random_lora(adapter, rank: int = 4, seed: int = 0, std: float = 0.05
             tensors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, rank,
                                                            generator=gen) * std
     return tensors, 1.0
+
+
+def swap_qk(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A broken LoRA map on purpose: each to_q update lands on to_k and vice versa."""
+    out = dict(tensors)
+    for key in [k for k in tensors if ".attn.to_q." in k]:
+        other = key.replace(".attn.to_q.", ".attn.to_k.")
+        out[key], out[other] = tensors[other], tensors[key]
+    return out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from contract import Algorithm, StartupCheckError, TimeConvention
+from tests.lora_utils import swap_qk
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -108,12 +109,6 @@ def test_startup_checks_fail_on_purpose(deployed, tmp_path, monkeypatch):
     family, config, _ = deployed
     trainer = Trainer(trainer_config(tmp_path, family, config, Algorithm.FLOW_GRPO))
 
-    def swap_qk(tensors):
-        out = dict(tensors)
-        for key in [k for k in tensors if ".attn.to_q." in k]:
-            other = key.replace(".attn.to_q.", ".attn.to_k.")
-            out[key], out[other] = tensors[other], tensors[key]
-        return out
     with pytest.raises(StartupCheckError) as err:
         trainer.check_lora_map(publish_transform=swap_qk)
     assert err.value.field == "lora_map"

@@ -12,6 +12,7 @@ from adapters.tiny_t2i import SHIPPED_WEIGHTS
 from contract import Algorithm, StartupCheckError, TimeConvention
 from trainer import checks
 from tests.serve_utils import replica_actors
+from tests.lora_utils import swap_qk
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -100,12 +101,6 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
     report = trainer.check_lora_map()
     assert report["lora_probe_max_diff"] <= 1e-4
 
-    def swap_qk(tensors):   # a broken LoRA map: q's update lands on k and vice versa
-        out = dict(tensors)
-        for key in [k for k in tensors if ".attn.to_q." in k]:
-            other = key.replace(".attn.to_q.", ".attn.to_k.")
-            out[key], out[other] = tensors[other], tensors[key]
-        return out
     with pytest.raises(StartupCheckError) as e:
         trainer.check_lora_map(publish_transform=swap_qk)
     assert e.value.field == "lora_map"
