@@ -44,3 +44,26 @@ def test_config_diff_ignores_run_length_and_names_the_rest():
         check_resume_config(a, TrainerConfig(seed=3))
     assert e.value.field == "seed" and e.value.expected == {"seed": 0}
     check_resume_config(a, TrainerConfig(steps=999))
+
+
+def test_a_prompt_files_negative_prompt_reaches_the_bundle(tmp_path):
+    """The negative prompt of a .jsonl record is tokenized by the family's tokenizers into the
+    bundle's `negative` (what the encoder stage and the learner use for CFG's branch)."""
+    import json
+
+    from adapters.registry import get_family
+    from trainer.config import load_trainer_config
+    from trainer.run_state import PromptFeed
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"prompt": "a red circle at the top left on a black background",
+         "negative_prompt": "a blue square"},
+        {"prompt": "a green triangle at the bottom right on a white background"})) + "\n")
+    cfg = load_trainer_config({"data": {"train": str(path)}, "eval": {"num_prompts": 2}})
+    family = get_family("tiny_t2i")
+    feed = PromptFeed(cfg, family.conditioner.tokenize)
+    with_negative, without = feed.eval_bundles
+    expected = family.conditioner.tokenize(["a blue square"])[0]
+    assert with_negative.negative is not None
+    assert with_negative.negative.token_ids == expected.token_ids
+    assert without.negative is None

@@ -77,10 +77,8 @@ class PromptFeed:
         out = []
         for r in records:
             try:
-                bundle = self.tokenize([r.text])[0]
-                if r.negative is not None:
-                    neg = self.tokenize([r.negative])[0]
-                    bundle = bundle.model_copy(update={"negative_token_ids": neg.token_ids})
+                # the negative prompt tokenized by the same tokenizers, into the bundle
+                bundle = self.tokenize([r.text], [r.negative])[0]
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the tokenizer's limit errors, typed here
