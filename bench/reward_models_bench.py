@@ -3,16 +3,19 @@
     python -m bench.reward_models_bench [--batch 4] [--threads 2] [--only pickscore ocr]
 -> bench/results/reward_models.json + bench/results/reward_models.png
 
-Each scorer runs in its own fresh process (so its memory is its own): the checkpoint is written
-at the public full-size architecture with random weights in the real on-disk format, loaded
-through the scorer's real loader, then scored on B images one call per image and in one call.
-Speed does not depend on the weight values; the scores are meaningless here. Memory: resident
-set after loading and peak resident set of the process (loading included), and parameter bytes.
+Each scorer runs in its own fresh process (so its memory is its own): the checkpoint, written
+beforehand by another process at the public full-size architecture with random weights in the
+real on-disk format, is loaded through the scorer's real loader, then scored on B images one
+call per image and in one call.
+Speed does not depend on the weight values; the scores are meaningless here.
 Architectures: PickScore = CLIP ViT-H/14 (transformers), CLIPScore and the aesthetic predictor =
 CLIP ViT-L/14 (the aesthetic one loads the vision tower only), HPSv2.1 = open_clip ViT-H-14,
 ImageReward = BLIP ViT-L/16 + BERT-base with cross-attention; OCR uses its shipped PP-OCRv4
-weights on rendered text. Text vocabularies are the locally built ones (CLIP keeps 49408
-embedding rows; ImageReward's BERT table has ~130 rows instead of 30524, 23 M fewer parameters).
+weights on rendered text. Memory (the checkpoint is written by another process first):
+`rss_after_score_mb` is the scorer process's resident set after its first call (every weight
+touched; interpreter and libraries included), `peak_rss_mb` its peak, loading included.
+Text vocabularies are the locally built ones (CLIP keeps 49408 embedding rows; ImageReward's
+BERT table has ~130 rows instead of 30524, 23 M fewer parameters).
 """
 from __future__ import annotations
 
@@ -104,21 +107,26 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(name: str, batch: int, threads: int, queue) -> None:
-    """In a fresh process: build, time B single calls and one batched call, report memory."""
+def write(name: str, tmp: str, queue) -> None:
+    """In its own process (so its memory is not the scorer's): write the checkpoint."""
+    spec, kind = _spec(name, Path(tmp))
+    queue.put((spec.model_dump(mode="json"), kind))
+
+
+def measure(name: str, spec: dict, kind: str, batch: int, threads: int, timing: bool,
+            queue) -> None:
+    """In a fresh process: build the scorer, time B single calls and one batched call (or, with
+    timing off, score one image), report memory."""
     import torch
 
     from rewards.base import ScoreRequest
-    from rewards.registry import build_scorer
+    from rewards.registry import ScorerSpec, build_scorer
 
     torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        spec, kind = _spec(name, Path(tmp))
-        rss0 = _rss_mb()
-        t0 = time.perf_counter()
-        scorer = build_scorer(spec)
-        load_s = time.perf_counter() - t0
-    rss_loaded = _rss_mb()
+    rss0 = _rss_mb()
+    t0 = time.perf_counter()
+    scorer = build_scorer(ScorerSpec.model_validate(spec))
+    load_s = time.perf_counter() - t0
     params = sum(p.numel() * p.element_size() for m in vars(scorer).values()
                  if isinstance(m, torch.nn.Module) for p in m.parameters())
     arts, targets = _media(kind, batch)
@@ -127,7 +135,13 @@ def measure(name: str, batch: int, threads: int, queue) -> None:
     one = lambda i: scorer.score(ScoreRequest(  # noqa: E731
         {k: type(a)(a.spec, a.data[i:i + 1]) for k, a in arts.items()}, prompts[i:i + 1],
         meta[i:i + 1]))
-    one(0)                                                    # warm-up
+    one(0)                                                    # warm-up (touches every weight)
+    memory = {"param_mb": params / 2**20, "rss_before_load_mb": rss0,
+              "rss_after_score_mb": _rss_mb(),
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if not timing:
+        queue.put({"name": name, **memory})
+        return
     t0 = time.perf_counter()
     singles = [one(i) for i in range(batch)]
     t_single = time.perf_counter() - t0
@@ -140,9 +154,7 @@ def measure(name: str, batch: int, threads: int, queue) -> None:
                "batch1_samples_per_s": batch / t_single,
                "batched_samples_per_s": batch / t_batched, "speedup": t_single / t_batched,
                "batch1_total_s": t_single, "batched_total_s": t_batched,
-               "max_abs_score_diff_batch_vs_single": drift,
-               "param_mb": params / 2**20, "rss_before_load_mb": rss0,
-               "rss_after_load_mb": rss_loaded,
+               "max_abs_score_diff_batch_vs_single": drift, **memory,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "mean_score": sum(batched.scores[key]) / batch})
 
@@ -165,7 +177,8 @@ def plot(results: dict, batch: int, path: Path) -> None:
     ax.set_ylabel("images / s (CPU)")
     ax.set_title("Reward models: batched vs one at a time")
     ax.legend(fontsize=8)
-    am.bar(x, [results[n]["peak_rss_mb"] / 1024 for n in names], label="peak RSS")
+    am.bar(x, [results[n]["rss_after_score_mb"] / 1024 for n in names],
+           label="resident after scoring")
     am.bar(x, [results[n]["param_mb"] / 1024 for n in names], width=0.5, label="parameters")
     am.set_xticks(x, names, fontsize=8)
     am.set_ylabel("GiB")
@@ -176,11 +189,25 @@ def plot(results: dict, batch: int, path: Path) -> None:
     plt.close(fig)
 
 
+def _in_process(ctx, target, *args):
+    """Run target(*args, queue) in a fresh spawned process; its one queued result."""
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    out = queue.get()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"{target.__name__}{args[:1]} exited with {proc.exitcode}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure memory only (one image), merged into the existing JSON")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -188,17 +215,19 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = {}
     for name in names:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=measure, args=(name, args.batch, args.threads, queue))
-        t0 = time.perf_counter()
-        proc.start()
-        r = queue.get()
-        proc.join()
-        r["process_s"] = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            spec, kind = _in_process(ctx, write, name, tmp)
+            r = _in_process(ctx, measure, name, spec, kind, args.batch, args.threads,
+                            not args.memory_only)
         results[r.pop("name")] = r
+        if args.memory_only:
+            print(f"{name:13s} params {r['param_mb']:7.0f} MB  resident after scoring "
+                  f"{r['rss_after_score_mb']:7.0f} MB  peak {r['peak_rss_mb']:7.0f} MB",
+                  flush=True)
+            continue
         print(f"{name:13s} 1-by-1 {r['batch1_samples_per_s']:6.2f}/s  batched "
               f"{r['batched_samples_per_s']:6.2f}/s  x{r['speedup']:.2f}  params "
-              f"{r['param_mb']:7.0f} MB  peak RSS {r['peak_rss_mb']:7.0f} MB  "
+              f"{r['param_mb']:7.0f} MB  resident {r['rss_after_score_mb']:7.0f} MB  "
               f"diff {r['max_abs_score_diff_batch_vs_single']:.1e}", flush=True)
     import torch
     report = {"batch": args.batch, "torch_threads": args.threads, "image": [3, 512, 512],
@@ -208,7 +237,14 @@ def main() -> None:
               "scorers": results}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "reward_models.json"
-    if args.only and out.exists():                       # a partial rerun keeps the others
+    if args.memory_only and out.exists():                # memory figures into the timed run's
+        old = json.loads(out.read_text())
+        for name, r in results.items():
+            old["scorers"].setdefault(name, {}).update(r)
+        old["memory"] = {"load_avg_1m": report["load_avg_1m"], "note": "measured apart, one "
+                         "image, checkpoint written in another process"}
+        report = old
+    elif args.only and out.exists():                     # a partial rerun keeps the others
         old = json.loads(out.read_text())
         report["scorers"] = {**old.get("scorers", {}), **results}
     out.write_text(json.dumps(report, indent=2))
