@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import ray
 from ray.experimental import internal_kv
 
-from contract import PolicyVersionError, StageUnavailableError
+from contract import PolicyKind, PolicyVersionError, StageUnavailableError
 
 NAMESPACE = "omni"
 DEFAULT_KEEP = 8         # versions the store holds (older ones are dropped, memory freed)
@@ -40,6 +40,7 @@ class PublishedPolicy:
     step: int
     scale: float                 # LoRA scale (alpha / r) the slots apply
     tensors: list                # [ObjectRef[PackedTensors]] -- peft names, training side
+    kind: PolicyKind = PolicyKind.LORA   # LoRA tensors, or every transformer weight (full FT)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -82,14 +83,16 @@ class PolicyStore:
     def incarnation(self) -> str:
         return self._incarnation
 
-    def publish(self, version: str, step: int, scale: float, tensors: list) -> str:
+    def publish(self, version: str, step: int, scale: float, tensors: list,
+                kind: PolicyKind = PolicyKind.LORA) -> str:
         """Register one version; returns this incarnation (a publisher seeing it change knows
         the store restarted since its last publish)."""
         with self._lock:
             if version in self._policies:
                 raise PolicyVersionError("version already published", field="version",
                                          actual=version)
-            self._policies[version] = PublishedPolicy(version, step, scale, tensors)
+            self._policies[version] = PublishedPolicy(version, step, scale, tensors,
+                                                      PolicyKind(kind))
             self._order.append(version)
             self._trim()
         internal_kv._internal_kv_put(self._held_key, b"1", overwrite=True)

@@ -15,7 +15,8 @@ from typing import Mapping, Sequence
 import torch
 from ray.exceptions import ObjectLostError
 
-from contract import Condition, PolicyVersionError, RequestLimits, RolloutRequest, StageOutput
+from contract import (Condition, PolicyKind, PolicyVersionError, RequestLimits, RolloutRequest,
+                      StageOutput)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.objects import ObjectKeeper
@@ -65,8 +66,15 @@ class DiTRolloutServer:
                                              field="policy_version", actual=version) from exc
                 t2 = time.perf_counter()
                 # the fetched buffer belongs to this replica alone: keep views, no copy
-                await asyncio.to_thread(self.engine.load_lora, version, tensors, policy.scale,
-                                        False)
+                if policy.kind is PolicyKind.FULL:       # every weight (a full fine-tune)
+                    load_full = getattr(self.engine, "load_full", None)
+                    if load_full is None:
+                        raise PolicyVersionError("this engine cannot hold full-weight versions",
+                                                 field="policy_version", actual=version)
+                    await asyncio.to_thread(load_full, version, tensors, False)
+                else:
+                    await asyncio.to_thread(self.engine.load_lora, version, tensors,
+                                            policy.scale, False)
                 self.load_seconds[version] = {"store_get_s": t1 - t0, "fetch_s": t2 - t1,
                                               "load_s": time.perf_counter() - t2}
                 while len(self.load_seconds) > 16:
@@ -118,6 +126,16 @@ class DiTRolloutServer:
 
     async def versions(self) -> tuple[str, ...]:
         return self.engine.versions()
+
+    async def sleep(self, level: int = 1) -> int:
+        """Colocated learners step now: the engine pauses (vLLM-Omni level 1 also frees its
+        weights and cache) until `wake_up`. Returns this replica's pid."""
+        await self.engine.sleep(level)
+        return os.getpid()
+
+    async def wake_up(self) -> int:
+        await self.engine.wake_up()
+        return os.getpid()
 
     async def pid(self) -> int:
         return os.getpid()

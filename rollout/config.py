@@ -34,6 +34,9 @@ class EngineLimits(_Config):
     max_resident_lora_versions: int = Field(3, ge=1, description="LoRA versions held at once "
                                             "besides 'base'; the least recently used unpinned "
                                             "one is evicted when a new one is loaded.")
+    max_resident_full_versions: int = Field(1, ge=1, description="Full-weight versions (a full "
+                                            "fine-tune's) held at once besides the base "
+                                            "weights; each costs one model's weights.")
 
 
 class ARModelConfig(_Config):

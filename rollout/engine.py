@@ -24,8 +24,9 @@ import torch
 from adapters.family import ModelFamily
 from adapters.lora_targets import LoRATargetMap
 from contract import (Condition, InvalidRequestError, LimitExceededError, MediaArtifact,
-                      QueueFullError, ReplicaFailedError, RequestCancelledError, RolloutError,
-                      SamplerKind, StopReason, collect_artifacts)
+                      PolicyVersionError, QueueFullError, ReplicaFailedError,
+                      RequestCancelledError, RolloutError, SamplerKind, StopReason,
+                      collect_artifacts)
 from diffusion.conventions import model_time
 from diffusion.noise import initial_noise
 from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity
@@ -33,6 +34,7 @@ from rollout.config import EngineLimits
 from rollout.engine_api import EngineRequest, EngineResult
 from rollout.engine_state import BatchKey, RequestState, schedule
 from rollout.recorder import SampleRecorder
+from rollout.full_weights import PolicySlots
 from rollout.lora import LoRASlotGroup
 
 
@@ -57,7 +59,9 @@ class EmbeddedEngine:
         self.media_modules = dict(media_modules or {})
         maps = dict(lora_maps) if lora_maps is not None else \
             {name: LoRATargetMap.identity(family.spec.lora_targets[name]) for name in self.models}
-        self.slots = LoRASlotGroup(self.models, maps, self.limits.max_resident_lora_versions)
+        self.slots = PolicySlots(LoRASlotGroup(self.models, maps,
+                                               self.limits.max_resident_lora_versions),
+                                 self.models, self.limits.max_resident_full_versions)
         self._cv = threading.Condition()
         self._intake: list[tuple[EngineRequest, concurrent.futures.Future, float]] = []
         self._running: list[RequestState] = []
@@ -113,6 +117,20 @@ class EmbeddedEngine:
     def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
                   scale: float = 1.0, copy: bool = True) -> None:
         self.slots.load(version, tensors, scale, pinned=self._pinned(), copy=copy)
+
+    def load_full(self, version: str, tensors: Mapping[str, torch.Tensor],
+                  copy: bool = True, wait_s: float = 600.0) -> None:
+        """Hold a full-weight version (rollout/full_weights.py). When every resident full
+        version is in use, wait (up to wait_s) for their running requests to finish."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.slots.load_full(version, tensors, pinned=self._pinned(), copy=copy)
+            except PolicyVersionError:
+                if time.monotonic() > deadline or not set(self.slots.full.versions()) <= \
+                        self._pinned():
+                    raise
+                time.sleep(0.02)
 
     def unload_lora(self, version: str) -> None:
         self.slots.unload(version, pinned=self._pinned())

@@ -81,11 +81,17 @@ class Learner:
         self.models = self.weights.models
         if lora.init_from is not None:
             self.load_initial(lora)
-        self.params = self.weights.trainable()
+        self.optimizer_config = optimizer
         self.max_grad_norm = optimizer.max_grad_norm
-        self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=optimizer.betas,
-                                           weight_decay=optimizer.weight_decay, eps=optimizer.eps)
+        self.reset_optimizer()
         self.collective: Collective | None = None
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW over the trainable parameters (again after FSDP2 replaced them)."""
+        o = self.optimizer_config
+        self.params = self.weights.trainable()
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas,
+                                           weight_decay=o.weight_decay, eps=o.eps)
 
     @property
     def kind(self) -> PolicyKind:

@@ -115,13 +115,15 @@ def plot_reward_curve(run_dir: Path) -> Path:
 
 # ---- checkpoints ------------------------------------------------------------------------------
 def save_checkpoint(run_dir: Path, step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
-                    optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> Path:
-    """checkpoints/step_<k>/: <adapter>.safetensors per adapter, optimizer.pt, state.json."""
+                    optimizer: torch.optim.Optimizer | Mapping, state: Mapping[str, Any]) -> Path:
+    """checkpoints/step_<k>/: <adapter>.safetensors per adapter, optimizer.pt (an optimizer's
+    state dict, or that dict itself), state.json."""
     root = run_dir / "checkpoints" / f"step_{step:06d}"
     root.mkdir(parents=True, exist_ok=True)
     for name, t in tensors.items():
         save_file(dict(t), str(root / f"lora_{name}.safetensors"))
-    torch.save(optimizer.state_dict(), root / "optimizer.pt")
+    torch.save(optimizer if isinstance(optimizer, Mapping) else optimizer.state_dict(),
+               root / "optimizer.pt")
     (root / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     (run_dir / "checkpoints" / "latest").write_text(root.name)
     return root

@@ -20,21 +20,22 @@ from typing import Any, Sequence
 import torch
 
 from adapters.registry import get_family
-from contract import (Algorithm, PromptBundle, RolloutError, RolloutOutput, RolloutRequest,
-                      SamplerKind)
+from contract import (Algorithm, PolicyKind, PromptBundle, RolloutError, RolloutOutput,
+                      RolloutRequest, SamplerKind)
 from deployments.client import RolloutClient
 from trainer import checks, gallery
 from trainer.algorithms import old_decay
 from trainer.config import PipelineMode, TrainerConfig
+from trainer.distributed import build_learners, controller_settings
 from trainer.learner import Learner
 from trainer.logs import (MetricsLogger, WandbRun, load_checkpoint, plot_reward_curve,
                           save_checkpoint)
-from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER, refresh_old
+from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
 from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, generator_state,
                                set_generator_state)
-from trainer.updates import UPDATES, build_batch, canonical_media
+from trainer.updates import build_batch, canonical_media
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).
@@ -69,12 +70,16 @@ class Trainer:
         self.graph = cfg.graph_config()
         self.family = get_family(self.graph.adapter, self.graph.weights_path,
                                  self.graph.adapter_options)
-        self.learner = Learner.load(self.family, cfg.lora, cfg.optimizer, cfg.seed)
+        self.learner = Learner.load(self.family, cfg.lora, cfg.optimizer, cfg.seed,
+                                    controller_settings(cfg.learner))
         self.client = client or RolloutClient.connect(self.graph.app_name)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.publisher = PolicyPublisher(self.graph.policy_store,
-                                         f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
+                                         f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}",
+                                         kind=self.learner.kind)
+        # where the step runs: this process, or a Ray Train worker group (trainer/distributed.py)
+        self.learners = build_learners(cfg, self.learner, self.graph, self.run_dir)
         tracker = (WandbRun(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
                             cfg.model_dump(mode="json"), resume=cfg.resume)
                    if cfg.wandb.enabled else None)
@@ -210,7 +215,7 @@ class Trainer:
         c, report = self.cfg.checks, {}
         if c.time_convention:
             report.update(self.check_time_convention())
-        if c.lora_map:
+        if c.lora_map and self.learner.kind is PolicyKind.LORA:
             report.update(self.check_lora_map())
         return report
 
@@ -254,7 +259,7 @@ class Trainer:
         if self.samples_with_old:
             if self.step % self.cfg.nft.old_refresh_every != 0:
                 return 0.0
-            refresh_old(self.learner.transformer, old_decay(self.step, self.cfg.nft.decay))
+            self.learners.refresh_old(old_decay(self.step, self.cfg.nft.decay))
         return self.publish_sampling()[1]
 
     def train_on(self, outputs: list[RolloutOutput], pending: Pending) -> dict[str, float]:
@@ -279,7 +284,7 @@ class Trainer:
             sub = batch.select(rows)
             parity = checks.logprob_mismatch(
                 self.learner, sub.trajectory, sub.cond, self.publisher.tensors_of,
-                sub.versions, self.cfg.checks.logprob_ratio_tol, sub.uncond)
+                sub.versions, self.cfg.checks.logprob_ratio_tol, sub.uncond, sub.inputs)
             for key, value in parity.items():     # the worst window counts
                 metrics[key] = max(metrics.get(key, value), value)
         metrics["reward_mean"] = float(batch.rewards.mean())
@@ -288,13 +293,19 @@ class Trainer:
             t = torch.tensor(vals)
             metrics[f"reward_{name}_mean"], metrics[f"reward_{name}_std"] = (
                 float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0)
-        metrics.update(UPDATES[self.cfg.algorithm](self.learner, batch, self.cfg, self.gen))
+        metrics.update(self.learners.update(batch, self.gen))
         metrics["rows"] = float(batch.rows)
         metrics["dropped_stale_rows"] = float(self.dropped_stale_rows)
         metrics["rollout_retries"] = float(self.rollout_retries)
         return metrics
 
     def run(self) -> list[dict[str, float]]:
+        try:
+            return self._run()
+        finally:
+            self.learners.close()
+
+    def _run(self) -> list[dict[str, float]]:
         cfg = self.cfg
         if cfg.resume:
             self.resume()
@@ -361,7 +372,7 @@ class Trainer:
             tensors["ema"] = self.ema.tensors
         data_state = (pending.data_state if pending is not None else
                       None if self.feed.data is None else self.feed.data.state())
-        return save_checkpoint(self.run_dir, self.step, tensors, self.learner.optimizer, {
+        return save_checkpoint(self.run_dir, self.step, tensors, self.learners.optimizer_state(), {
             "sampling_versions": self.sampling_versions, "algorithm": self.cfg.algorithm.value,
             "dropped_stale_rows": self.dropped_stale_rows,
             "rollout_retries": self.rollout_retries, "generator": generator_state(self.gen),
@@ -377,7 +388,8 @@ class Trainer:
             check_resume_config(state["config"], self.cfg)
         for name in (TRAIN_ADAPTER, OLD_ADAPTER):
             self.learner.load_adapter(name, tensors[name])
-        self.learner.optimizer.load_state_dict(optimizer)
+        self.learners.load_state({name: tensors[name] for name in (TRAIN_ADAPTER, OLD_ADAPTER)},
+                                 optimizer)             # the worker group's learners too
         self.step = int(state["step"])
         self.dropped_stale_rows = int(state.get("dropped_stale_rows", 0))
         self.rollout_retries = int(state.get("rollout_retries", 0))

@@ -145,6 +145,15 @@ def _trained(models: Models, components: tuple[str, ...] | None) -> Models:
     return {name: model for name, model in models.items() if name in components}
 
 
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 leaves a root module that ran a forward without backward (the frozen copies)
+    unsharded; its parameters are the sharded DTensors again after `reshard`."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
@@ -157,6 +166,7 @@ class FullWeights(PolicyWeights):
 
     def __init__(self, models: Models, compute_dtype: torch.dtype = torch.float32):
         self.compute_dtype = compute_dtype
+        self.use_autocast = compute_dtype != torch.float32   # FSDP2 casts by its own policy
         self.models = {name: m.float().requires_grad_(True) for name, m in models.items()}
         frozen = lambda: {name: copy.deepcopy(m).to(compute_dtype).requires_grad_(False)  # noqa
                           for name, m in self.models.items()}
@@ -173,15 +183,16 @@ class FullWeights(PolicyWeights):
             yield self.roles[PolicyRole(role)]
 
     def autocast(self):
-        if self.compute_dtype == torch.float32:
+        if not self.use_autocast:
             return nullcontext()
-        device = next(iter(self.models.values())).parameters().__next__().device
+        device = next(next(iter(self.models.values())).parameters()).device
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
     def _named(self, adapter: str) -> Iterator[tuple[str, nn.Parameter]]:
         _check_adapter(adapter)
         role = PolicyRole.CURRENT if adapter == TRAIN_ADAPTER else PolicyRole.OLD
         for component, model in self.roles[role].items():
+            _reshard(model)
             prefix = self._prefix(component)
             for name, param in model.named_parameters():
                 yield prefix + name, param

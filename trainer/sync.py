@@ -1,4 +1,5 @@
-"""Publishing LoRA versions to the rollout graph through the policy store.
+"""Publishing policy versions (LoRA adapters, or full weights of a full fine-tune) to the
+rollout graph through the policy store.
 
 Each version is packed into one contiguous buffer (contract.PackedTensors), `ray.put` once and
 registered under a run-unique name (`<run>/v3`, `<run>/old-2`, `<run>/probe`); rollout replicas
@@ -14,13 +15,15 @@ from typing import Mapping
 import ray
 import torch
 
-from contract import PackedTensors, PolicyVersionError
+from contract import PackedTensors, PolicyKind, PolicyVersionError
 from deployments.policy_store import PublishedPolicy, get_policy_store
 
 
 class PolicyPublisher:
-    def __init__(self, store_name: str, run_tag: str, keep: int = 8):
+    def __init__(self, store_name: str, run_tag: str, keep: int = 8,
+                 kind: PolicyKind = PolicyKind.LORA):
         self.store = get_policy_store(store_name, create=True)
+        self.kind = PolicyKind(kind)              # LoRA adapters or full weights, every version
         self.run_tag = run_tag
         self.keep = keep
         self.tensors: "OrderedDict[str, dict[str, torch.Tensor]]" = OrderedDict()
@@ -44,7 +47,7 @@ class PolicyPublisher:
         t1 = time.perf_counter()
         ref = ray.put(packed)
         t2 = time.perf_counter()
-        incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref]))
+        incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref], self.kind))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
         self.tensors[version] = packed.unpack()     # the published snapshot, not the caller's
@@ -73,7 +76,7 @@ class PolicyPublisher:
         return True
 
     def _restore(self) -> None:
-        held = [PublishedPolicy(v, self.steps[v], self.scales[v], [self._refs[v]])
+        held = [PublishedPolicy(v, self.steps[v], self.scales[v], [self._refs[v]], self.kind)
                 for v in self._refs]
         self._incarnation = ray.get(self.store.restore.remote(held))
         self.restores += 1
