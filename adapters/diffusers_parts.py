@@ -7,6 +7,7 @@ docs/MODEL_FAMILIES.md), so a family built from them samples as its pipeline doe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -23,6 +24,11 @@ CLIP_ETP_PLAN = ETPPlan(
     column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),
     row=("self_attn.out_proj", "mlp.fc2"),
     vocab="text_model.embeddings.token_embedding", heads="num_attention_heads")
+
+# CLIPTextModel (FLUX's CLIP-L) has no `text_model.` level in transformers 5, unlike
+# CLIPTextModelWithProjection (SD3's two CLIPs)
+CLIP_TEXT_MODEL_ETP_PLAN = dataclasses.replace(CLIP_ETP_PLAN, layers="encoder.layers",
+                                               vocab="embeddings.token_embedding")
 
 T5_ETP_PLAN = ETPPlan(
     layers="encoder.block",

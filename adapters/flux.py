@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters.checkpoint import read_json, read_model_index
-from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
-                                      TokenizingConditioner, clip_pooled, encoder_vocab_size,
-                                      t5_hidden, tokenizer_max_length)
+from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, FlowSchedule,
+                                      ImageVAE, TokenizingConditioner, clip_pooled,
+                                      encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
                              Overflow, parse_options)
 from adapters.sd3 import image_io_spec
@@ -152,7 +152,8 @@ class FluxFamily(ModelFamily):
         vae = ImageVAE(self.root)
         encoders = (EncoderSpec("clip", "text_encoder", "tokenizer",
                                 tokenizer_max_length(self.root, "tokenizer"), Overflow.TRUNCATE,
-                                CLIP_ETP_PLAN, encoder_vocab_size(self.root, "text_encoder")),
+                                CLIP_TEXT_MODEL_ETP_PLAN,
+                                encoder_vocab_size(self.root, "text_encoder")),
                     EncoderSpec("t5", "text_encoder_2", "tokenizer_2",
                                 self.options.max_sequence_length, Overflow.REJECT, T5_ETP_PLAN,
                                 encoder_vocab_size(self.root, "text_encoder_2")))

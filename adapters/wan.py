@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters.checkpoint import load_component, read_json, read_model_index
-from adapters.diffusers_parts import UMT5_ETP_PLAN, FlowSchedule
+from adapters.diffusers_parts import UMT5_ETP_PLAN, FlowSchedule, encoder_vocab_size
 from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
                              Overflow, parse_options)
 from adapters.wan_parts import (UMT5Conditioner, UniPCHandling, WanVAE, check_condition_image,
@@ -237,12 +237,14 @@ class WanFamily(ModelFamily):
             guidance=GuidanceKind.CFG, transformers=experts,
             lora_targets={e: targets for e in experts},
             encoders=(EncoderSpec("umt5", "text_encoder", "tokenizer", window, Overflow.REJECT,
-                                  UMT5_ETP_PLAN),),
+                                  UMT5_ETP_PLAN,
+                                  encoder_vocab_size(self.root, "text_encoder")),),
             decoders={"video_latent": ("vae",)}, media_encoders=media_encoders,
             sampling_defaults={"height": 480, "width": 832, "num_frames": 81})
         self.conditioner = UMT5Conditioner(self.spec, self.root)
         self.denoiser = WanDenoiser(self.boundary, conditioned=task is Task.I2V)
-        self.codec = WanCodec(self.root, self.vae, tuple(transformer.get("patch_size", (1, 2, 2))), task,
+        self.codec = WanCodec(self.root, self.vae,
+                              tuple(transformer.get("patch_size", (1, 2, 2))), task,
                               image_features)
 
     def _check_experts(self, experts, transformer: Mapping) -> None:

@@ -116,13 +116,30 @@ def tp_plan(encoder: nn.Module, plan: ETPPlan) -> dict[str, object]:
     return out
 
 
+def _tied_embeddings(encoder: nn.Module, vocab: str) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every other embedding module holding the vocab embedding's very
+    weight (tied, e.g. T5's `encoder.embed_tokens` and `shared`): after sharding they must run
+    the sharded module, or the forward uses a full copy the shard keeps alive."""
+    target = encoder.get_submodule(vocab)
+    out = []
+    for name, module in encoder.named_modules(remove_duplicate=False):
+        if module is not target and type(module) is type(target) and \
+                getattr(module, "weight", None) is target.weight:
+            parent, _, attr = name.rpartition(".")
+            out.append((encoder.get_submodule(parent) if parent else encoder, attr))
+    return out
+
+
 def shard_encoder(encoder: nn.Module, plan: ETPPlan, etp: int, device_type: str) -> nn.Module:
     """Split `encoder` in place over the default process group (world size == etp)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh(device_type, (etp,))
+    tied = [] if plan.vocab is None else _tied_embeddings(encoder, plan.vocab)
     encoder = parallelize_module(encoder, mesh, tp_plan(encoder, plan))
+    for owner, attr in tied:           # T5's encoder.embed_tokens runs the sharded `shared`
+        setattr(owner, attr, encoder.get_submodule(plan.vocab))
     for layer in _layers(encoder, plan):
         for dotted in plan.local_heads:
             owner_name, _, attr = dotted.rpartition(".")
