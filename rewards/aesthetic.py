@@ -8,6 +8,7 @@ image processor. Scores are on the predictor's 1-10 rating scale. The prompt is 
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import torch
@@ -34,12 +35,14 @@ class AestheticScorerConfig(BaseModel):
 
 
 def load_torch_file(path: str, field: str):
-    """torch.load with weights_only=True (no code runs on load); typed errors for bad files."""
+    """torch.load with weights_only=True (no code runs on load); typed errors for bad files.
+    Zip-format files (torch.save since 1.6) are memory-mapped, so loading a state dict into a
+    model does not hold a second copy of the weights in memory."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("checkpoint file not found", field=field, actual=path)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
     except Exception as e:  # noqa: BLE001 -- pickle / zip errors of a file in the wrong format
         raise ConfigError(f"not a torch checkpoint: {type(e).__name__}: {e}", field=field,
                           actual=path) from e
