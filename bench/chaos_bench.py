@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-window", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    # SIGTERM (a timeout, a CI cancel) unwinds the with-blocks: the cluster and the trainer go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     from ray import serve
