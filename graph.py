@@ -25,6 +25,7 @@ from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
+from deployments.objects import holder_name
 from deployments.placement import (StageDemand, check_placement, demand_from_options,
                                    into_bundles, live_nodes)
 from deployments.rollout import DiTRolloutServer
@@ -83,7 +84,8 @@ def build_encoder(config: GraphConfig) -> Application:
 def build_rollout(config: GraphConfig) -> Application:
     opts = config.rollout_stage.deployment_options("DiTRollout")
     return serve.deployment(DiTRolloutServer, **opts).bind(config.rollout, config.policy_store,
-                                                           config.limits)
+                                                           config.limits,
+                                                           holder_name(config.app_name))
 
 
 def build_decoders(config: GraphConfig) -> dict[str, Application]:
@@ -92,7 +94,8 @@ def build_decoders(config: GraphConfig) -> dict[str, Application]:
                                      ).bind(config.adapter, config.weights_path, latent,
                                             config.http.max_preview_pixels,
                                             config.decoder.device, config.decoder.dtype,
-                                            config.adapter_options)
+                                            config.adapter_options,
+                                            holder_name(config.app_name))
             for latent in decoded_latents(config)}
 
 

@@ -10,19 +10,21 @@ from __future__ import annotations
 import argparse
 import fractions
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 import numpy as np
 import torch
 
 
-def write_mp4(path: str | Path, video: np.ndarray, fps: float, audio: np.ndarray,
+def write_mp4(path: str | Path | BinaryIO, video: np.ndarray, fps: float, audio: np.ndarray,
               sample_rate: int) -> None:
-    """video (T, 3, H, W) uint8 (H, W even); audio (C, N) float in [-1, 1] -> H.264 + AAC MP4."""
+    """video (T, 3, H, W) uint8 (H, W even); audio (C, N) float in [-1, 1] -> H.264 + AAC MP4
+    at `path` (a file path or a seekable binary file object)."""
     import av  # PyAV bundles FFmpeg
 
     frames = np.ascontiguousarray(video.transpose(0, 2, 3, 1))                    # (T, H, W, 3)
-    with av.open(str(path), mode="w") as container:
+    target = path if hasattr(path, "write") else str(path)
+    with av.open(target, mode="w", format="mp4") as container:
         vs = container.add_stream("libx264", rate=fractions.Fraction(fps).limit_denominator(1000))
         vs.width, vs.height, vs.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         vs.options = {"crf": "18", "preset": "veryfast"}

@@ -4,7 +4,7 @@
     outputs = client.rollout(requests)            # list[RolloutOutput], tensors fetched here
 
 The graph returns handles (object refs); this client fetches the tensors straight from the object
-store, so they never pass through the ingress.
+store, so they never pass through the ingress, then tells the graph to release its copies.
 """
 from __future__ import annotations
 
@@ -57,13 +57,15 @@ class RolloutClient:
         """Start a rollout; returns a DeploymentResponse (call `.result()` or `collect`)."""
         return self.ingress.rollout.remote(list(requests))
 
-    @staticmethod
-    def collect(response) -> list[RolloutOutput]:
+    def collect(self, response) -> list[RolloutOutput]:
+        """Fetch the results' tensors, then let the graph release its copies."""
         try:
             results = response.result()
         except RayActorError as exc:
             raise _ingress_failed(exc) from exc
-        return [materialize(r) for r in results]
+        outputs = [materialize(r) for r in results]
+        self.ingress.release.remote([r.request_id for r in results]).result()
+        return outputs
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         return self.collect(self.submit(requests))
@@ -73,7 +75,9 @@ class RolloutClient:
             results = await self.submit(requests)
         except RayActorError as exc:
             raise _ingress_failed(exc) from exc
-        return await asyncio.to_thread(lambda: [materialize(r) for r in results])
+        outputs = await asyncio.to_thread(lambda: [materialize(r) for r in results])
+        await self.ingress.release.remote([r.request_id for r in results])
+        return outputs
 
 
 def _ingress_failed(exc: BaseException) -> ReplicaFailedError:

@@ -11,12 +11,12 @@ from typing import Sequence
 import torch
 
 from adapters.registry import get_family
-from contract import (MediaArtifact, MissingArtifactError, Representation,
+from contract import (MediaArtifact, MissingArtifactError, Modality, Representation,
                       StageOutput, UndeclaredArtifactError, validate_artifact)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import ObjectKeeper
-from deployments.previews import preview_urls
+from deployments.objects import ObjectKeeper, get_object_holder
+from deployments.previews import av_preview_urls, preview_urls
 
 
 class DecoderServer:
@@ -24,7 +24,8 @@ class DecoderServer:
 
     def __init__(self, adapter: str, weights_path: str | None, latent_name: str,
                  max_preview_pixels: int, device: str = "cpu", dtype: str = "float32",
-                 options: dict | None = None):
+                 options: dict | None = None, objects: str | None = None):
+        """objects: the graph's ObjectHolder actor name (None: this replica holds its puts)."""
         self.memory_guard = guard_replica_memory(f"Decoder_{latent_name}")
         self.family = get_family(adapter, weights_path, options)
         self.latent_name = latent_name
@@ -39,10 +40,13 @@ class DecoderServer:
         self.modules = self.family.load_decoder(latent_name, dtype, device)
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
-        self.objects = ObjectKeeper()
+        self.objects = ObjectKeeper(holder=None if objects is None else
+                                    get_object_holder(objects))
 
     async def decode(self, latents: StageOutput, names: Sequence[str],
-                     preview: bool = False) -> StageOutput:
+                     preview: bool = False, companion: StageOutput | None = None) -> StageOutput:
+        """`companion`: the audio decoder's output of the same request; with `preview`, a
+        decoded video is previewed as an MP4 with that audio (fetched from the object store)."""
         wanted = [spec for spec in self.outputs if spec.name in names]
         if len(wanted) != len(names):
             raise UndeclaredArtifactError(f"decoder for {self.latent_name!r} cannot produce "
@@ -59,13 +63,36 @@ class DecoderServer:
         with self.metrics.track(latent.batch_size):
             produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id,
                                                latents.sampling)
-        handles = {a.name: self.objects.put_artifact(a) for a in produced}
-        previews = ({a.name: preview_urls(a, self.max_preview_pixels) for a in produced}
-                    if preview else {})
+        handles = {a.name: self.objects.put_artifact(a, latents.request_id) for a in produced}
+        await self.objects.settled(latents.request_id)
+        previews = {}
+        if preview:
+            audio = await self._companion_audio(companion)
+            previews = await asyncio.to_thread(self._previews, produced, audio)
         return StageOutput(request_id=latents.request_id, artifacts=handles,
                            policy_version=latents.policy_version, seeds=latents.seeds,
                            stop_reason=latents.stop_reason, previews=previews,
                            sampling=latents.sampling)
+
+    def _previews(self, produced: Sequence[MediaArtifact],
+                  audio: MediaArtifact | None) -> dict[str, tuple[str, ...]]:
+        return {a.name: av_preview_urls(a, audio, self.max_preview_pixels)
+                if audio is not None and a.spec.modality == Modality.VIDEO else
+                preview_urls(a, self.max_preview_pixels) for a in produced}
+
+    @staticmethod
+    async def _companion_audio(companion: StageOutput | None) -> MediaArtifact | None:
+        if companion is None:
+            return None
+        handle = next((h for h in companion.artifacts.values()
+                       if h.spec.modality == Modality.AUDIO
+                       and h.spec.representation == Representation.DECODED), None)
+        if handle is None:
+            raise MissingArtifactError("the companion output carries no decoded audio",
+                                       field="companion.artifacts",
+                                       actual=sorted(companion.artifacts),
+                                       request_id=companion.request_id)
+        return await handle.ref
 
     def _decode(self, latent: MediaArtifact, wanted, request_id: str,
                 sampling) -> list[MediaArtifact]:

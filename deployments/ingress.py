@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse
 
 from adapters.registry import get_family
 from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
-                      PromptBundle, ReplicaFailedError, Representation, RewardReport,
+                      Modality, PromptBundle, ReplicaFailedError, Representation, RewardReport,
                       RolloutError, RolloutRequest, SamplingSpec, ScorerFailedError,
                       StageUnavailableError,
                       ScorerOutput, StageOutput, UnscorableInputError, check_requested_artifacts)
@@ -39,6 +39,7 @@ from deployments.config import GraphConfig
 from diffusion.step import doubles_rows
 from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
+from deployments.objects import get_object_holder, holder_name
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
 
 logger = logging.getLogger("ray.serve")
@@ -92,6 +93,7 @@ class RolloutGraph:
         self._prompt_checkers: tuple[str, ...] | None = None   # required scorers with a check
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
+        self.objects = get_object_holder(holder_name(config.app_name))   # the stages' outputs
 
     # ---------------------------------------------------------------- handle API
     async def rollout(self, requests: RolloutRequest | Sequence[RolloutRequest],
@@ -103,6 +105,11 @@ class RolloutGraph:
         with self.metrics.track(rows):
             return list(await asyncio.gather(*(self._one(r, names, media, preview)
                                                for r, (names, media) in zip(batch, checked))))
+
+    async def release(self, request_ids: Sequence[str]) -> int:
+        """The caller has fetched these requests' outputs: the stages' object-store copies go
+        (their owner's references; a caller's own fetched copies stay its own)."""
+        return await self.objects.release.remote(list(request_ids))
 
     async def stats(self, reset_peak: bool = False) -> dict[str, int]:
         """Tensor bytes that reached the ingress (0 by design), its pid, resident memory in bytes
@@ -252,13 +259,19 @@ class RolloutGraph:
                 raise replica_failed("rollout", exc, rid) from exc
             raise
         decoded_by_latent = self._decoded_plan(requested)
+        # previewed video with decoded audio: its decoder muxes an MP4 once the audio is decoded
+        muxed = self._muxed_video(decoded_by_latent) if preview else {}
         responses = {latent: self.decoders[latent].decode.remote(stage, names, preview)
-                     for latent, names in decoded_by_latent.items()}
+                     for latent, names in decoded_by_latent.items() if latent not in muxed}
         artifacts = {n: h for n, h in stage.artifacts.items() if n in requested}
         previews: dict[str, tuple[str, ...]] = {}
         refs = {}                  # decoded outputs, taken: what the scorers read
-        for latent, response in responses.items():
+        outs: dict[str, StageOutput] = {}
+        for latent in [*responses, *muxed]:
             try:
+                response = responses[latent] if latent in responses else \
+                    self.decoders[latent].decode.remote(stage, decoded_by_latent[latent],
+                                                        preview, outs[muxed[latent]])
                 refs[latent] = await self._taken(f"decoder.{latent}", response, rid)
                 out: StageOutput = await self._stage_result(f"decoder.{latent}", refs[latent],
                                                             rid)
@@ -266,10 +279,15 @@ class RolloutGraph:
                 if replica_died(exc):         # the decoder died, or the latent's owner did
                     raise replica_failed(f"decoder.{latent}", exc, rid) from exc
                 raise
+            outs[latent] = out
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
         t_score = time.perf_counter()
         rewards = await self._score(request, refs, media)
+        internal = {*stage.artifacts, *(n for o in outs.values() for n in o.artifacts)} - \
+            set(requested)            # read by the graph's own stages only, all of them done
+        if internal:
+            await self.objects.release.remote([rid], sorted(internal))
         metrics = dict(stage.metrics)
         if rewards is not None:       # wall time from decoded media to the combined rewards
             metrics["score_s"] = time.perf_counter() - t_score
@@ -278,6 +296,17 @@ class RolloutGraph:
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
                            rewards=rewards, previews=previews, metrics=metrics,
                            encoded_token_ids=stage.encoded_token_ids)
+
+    def _muxed_video(self, plan: Mapping[str, Sequence[str]]) -> dict[str, str]:
+        """{video latent: audio latent} when one decode produces a decoded video and another a
+        decoded audio (a joint audio-video family): the video is previewed with that audio."""
+        def latents_of(modality: Modality) -> list[str]:
+            return [latent for latent, names in plan.items()
+                    if any(self.io_spec[n].modality == modality for n in names)]
+        video, audio = latents_of(Modality.VIDEO), latents_of(Modality.AUDIO)
+        if len(audio) != 1:
+            return {}
+        return {latent: audio[0] for latent in video if latent != audio[0]}
 
     def _decoded_plan(self, requested: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """Decoded names to produce, grouped by the latent they decode from; scorers' inputs
@@ -354,8 +383,10 @@ class RolloutGraph:
             payload = parse_rollout_body(await self._read_body(http), self.config.limits)
             requests = self._from_http(payload)
             results = await self.rollout(requests, preview=payload.include_media)
-            return JSONResponse({"results": [_result_json(p, r) for p, r in
-                                             zip(payload.prompts, results)]})
+            answer = JSONResponse({"results": [_result_json(p, r) for p, r in
+                                               zip(payload.prompts, results)]})
+            await self.release([r.request_id for r in results])    # no tensor leaves by HTTP
+            return answer
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
             return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])

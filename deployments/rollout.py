@@ -19,7 +19,7 @@ from contract import (Condition, PolicyKind, PolicyVersionError, RequestLimits, 
                       StageOutput)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import ObjectKeeper
+from deployments.objects import TRAJECTORY, ObjectKeeper, get_object_holder
 from deployments.policy_store import get_policy_store
 from rollout.config import RolloutConfig
 from rollout.strategy import DiffusionStrategy, build_strategy
@@ -36,7 +36,9 @@ def seen_token_ids(cond: Condition, negative: Condition | None) -> dict[str, tup
 
 
 class DiTRolloutServer:
-    def __init__(self, rollout: RolloutConfig, policy_store: str, limits: RequestLimits):
+    def __init__(self, rollout: RolloutConfig, policy_store: str, limits: RequestLimits,
+                 objects: str | None = None):
+        """objects: the graph's ObjectHolder actor name (None: this replica holds its puts)."""
         self.memory_guard = guard_replica_memory("DiTRollout")
         strategy = build_strategy(rollout, limits)     # the graph's limits, as the ingress's
         if not isinstance(strategy, DiffusionStrategy):
@@ -45,7 +47,8 @@ class DiTRolloutServer:
         self.engine = strategy.engine
         self.store = get_policy_store(policy_store)
         self.metrics = StageMetrics("rollout")
-        self.objects = ObjectKeeper()
+        self.objects = ObjectKeeper(holder=None if objects is None else
+                                    get_object_holder(objects))
         self._locks: dict[str, asyncio.Lock] = {}
         self.load_seconds: dict[str, dict[str, float]] = {}   # version -> phase -> s
 
@@ -95,10 +98,13 @@ class DiTRolloutServer:
                                       requested_artifacts=tuple(requested))
         with self.metrics.track(request.sampling.samples_per_prompt):
             out = await self.strategy.generate(request, cond, negative)
-        handles = {name: self.objects.put_artifact(a) for name, a in out.artifacts.items()}
-        return StageOutput(request_id=out.request_id, artifacts=handles,
+        rid = out.request_id
+        handles = {name: self.objects.put_artifact(a, rid) for name, a in out.artifacts.items()}
+        trajectory = self.objects.put(out.trajectory, rid, TRAJECTORY)
+        await self.objects.settled(rid)
+        return StageOutput(request_id=rid, artifacts=handles,
                            policy_version=out.policy_version, seeds=out.seeds,
-                           stop_reason=out.stop_reason, trajectory=self.objects.put(out.trajectory),
+                           stop_reason=out.stop_reason, trajectory=trajectory,
                            metrics=dict(out.metrics),
                            encoded_token_ids=seen_token_ids(cond, negative),
                            sampling=request.sampling)

@@ -44,6 +44,17 @@ def _split(output: ScorerOutput, sizes: Sequence[int]) -> list[ScorerOutput]:
     return out
 
 
+class _Pending:
+    """One call's ScoreRequest on its way through the micro-batch, emptied once scored: Serve's
+    batch loop keeps its last batch's arguments alive until the next batch arrives, which would
+    keep the decoded media pinned in the object store after the graph released them."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: ScoreRequest):
+        self.request: ScoreRequest | None = request
+
+
 def _batch_key(request: ScoreRequest) -> tuple:
     return tuple((n, tuple(a.data.shape[1:]), a.fps, a.sample_rate)
                  for n, a in sorted(request.artifacts.items()))
@@ -90,18 +101,23 @@ class ScorerServer:
                                        field=f"{self.spec.name}.inputs", expected=missing,
                                        actual=sorted(handles))
         arts = await asyncio.gather(*(handles[n].ref for n in self.spec.inputs))
-        request = ScoreRequest(artifacts=dict(zip(self.spec.inputs, arts)),
-                               prompts=tuple(prompts), metadata=tuple(metadata))
-        result = await self._score_batch(request)
+        pending = _Pending(ScoreRequest(artifacts=dict(zip(self.spec.inputs, arts)),
+                                        prompts=tuple(prompts), metadata=tuple(metadata)))
+        del arts
+        try:
+            result = await self._score_batch(pending)
+        finally:
+            pending.request = None
         if isinstance(result, BaseException):
             raise result
         return result
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _score_batch(self, requests: list[ScoreRequest]) -> list[ScorerOutput | Exception]:
+    async def _score_batch(self, pending: list[_Pending]) -> list[ScorerOutput | Exception]:
         """Micro-batch: requests with the same media shapes are scored in one call. A group that
         raises is re-scored request by request, so one bad request fails only itself (its
         exception is returned in its slot and raised by `score`)."""
+        requests = [p.request for p in pending]
         results: list[ScorerOutput | Exception | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
