@@ -241,8 +241,8 @@ class LTX2Codec(Codec):
 
     def normalize_condition(self, vae: nn.Module, latent: torch.Tensor) -> torch.Tensor:
         """A condition frame's VAE latent -> state space. Both conditioned pipelines normalise
-        their condition latents without the scaling factor (pipeline_ltx2_image2video.py:847,
-        pipeline_ltx2_condition.py:1149-1151), unlike the noise latents."""
+        their condition latents without the scaling factor (pipeline_ltx2_image2video.py:846,
+        pipeline_ltx2_condition.py:1153-1155), unlike the noise latents."""
         mean, std = _stats(vae, latent, (1, -1, 1, 1, 1))
         return (latent - mean) / std
 
@@ -348,7 +348,7 @@ class LTX2Codec(Codec):
                                           expected=f">= {self.dims.temporal_ratio + 1}",
                                           actual=sampling.num_frames)
             # latent index F' - 1 (LTX2VideoCondition index=-1) sits at pixel frame
-            # (index - 1) * 8 + 1 (pipeline_ltx2_condition.py:1187)
+            # (index - 1) * 8 + 1 (pipeline_ltx2_condition.py:1192)
             keyframes = ((base.frames - 2) * self.dims.temporal_ratio + 1,)
         layout = self.layout(sampling, keyframes)
         crf = self.image_crf

@@ -11,7 +11,6 @@ when configured to; CRF 0 keeps the comparison exact). Layout conversions for th
 its own static methods, so the packed / 5-D / normalised forms are diffusers'."""
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ import torch
 
 from adapters.registry import get_family
 from contract import (ConfigError, InvalidRequestError, MediaFormatError, MediaInput, MediaRole,
-                      Modality, OutputContractError, RequestLimits, RolloutRequest, SamplerKind,
+                      Modality, OutputContractError, RequestLimits, RolloutRequest,
                       SamplingSpec, Task)
 from diffusion.noise import initial_noise
 from rollout.engine_api import EngineRequest
@@ -250,8 +249,9 @@ class TestLTX2(FamilyConformance):
                 get_family("ltx2", root, OPTIONS | {option: value})
             assert err.value.field == f"rollout.adapter_options.{option}"
         bundle = fam.conditioner.tokenize(["a cat"])[0]
-        unguided = RolloutRequest(prompt=bundle, task=Task.T2VA, sampling=self.sampling().model_copy(
-            update={"guidance_scale": 1.0}))
+        unguided = RolloutRequest(prompt=bundle, task=Task.T2VA,
+                                  sampling=self.sampling().model_copy(
+                                      update={"guidance_scale": 1.0}))
         with pytest.raises(InvalidRequestError) as err:     # the pipeline would guide audio at 7
             fam.validate_request(unguided, RequestLimits())
         assert err.value.field == "sampling.guidance_scale"
@@ -307,3 +307,21 @@ def test_time_convention_check_against_the_checkpoint_scheduler(tiny_checkpoint,
     with pytest.raises(StartupCheckError) as err:
         checks.check_time_convention_scheduler(learner, prompts, sampling)
     assert err.value.field == "adapter.time_convention"
+
+
+def test_gemma_etp_plan_names_the_real_modules(tiny_checkpoint):
+    """The Gemma 3 plan resolves on the real module tree (every layer's q/k/v/o, gated MLP,
+    the embedding); the tiny Gemma has one key/value head, so etp 2 is refused by name."""
+    from deployments.etp import check_family_etp, tp_plan
+    family = get_family("ltx2", tiny_checkpoint("ltx2"), OPTIONS)
+    plan = family.spec.encoder("gemma").etp
+    stack = family.load_encoders()["gemma"]
+    styles = tp_plan(stack, plan)
+    layers = stack.get_submodule(plan.layers)
+    assert len(styles) == 1 + len(layers) * (len(plan.column) + len(plan.row))
+    for name in styles:
+        assert isinstance(stack.get_submodule(name), (torch.nn.Linear, torch.nn.Embedding))
+    assert check_family_etp(family, 1) == 1
+    with pytest.raises(ConfigError) as err:
+        check_family_etp(family, 2)
+    assert err.value.field == "etp" and err.value.expected == [1]
