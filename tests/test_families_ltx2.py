@@ -325,3 +325,37 @@ def test_gemma_etp_plan_names_the_real_modules(tiny_checkpoint):
     with pytest.raises(ConfigError) as err:
         check_family_etp(family, 2)
     assert err.value.field == "etp" and err.value.expected == [1]
+
+
+def test_mp4_preview_muxes_the_declared_rates_and_refuses_what_it_cannot_encode():
+    import base64
+    import io
+
+    import av
+
+    from contract import ArtifactSpec, Layout, MediaArtifact, Representation
+    from deployments.previews import av_preview_urls
+    video_spec = ArtifactSpec("video", Modality.VIDEO, Representation.DECODED, Layout.TCHW,
+                              fps=25.0, source="video_latent")
+    audio_spec = ArtifactSpec("audio", Modality.AUDIO, Representation.DECODED, Layout.CT,
+                              sample_rate=24000, source="audio_latent")
+    gen = torch.Generator().manual_seed(0)
+    video = MediaArtifact(video_spec, torch.randint(0, 256, (1, 9, 3, 64, 96), generator=gen,
+                                                    dtype=torch.uint8), {"fps": 25.0})
+    audio = MediaArtifact(audio_spec, torch.rand(1, 2, 7920, generator=gen) - 0.5,
+                          {"sample_rate": 24000})
+    [url] = av_preview_urls(video, audio, 10**6)
+    with av.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as container:
+        assert [s.type for s in container.streams] == ["video", "audio"]
+        assert float(container.streams.video[0].average_rate) == 25.0
+        assert container.streams.audio[0].codec_context.sample_rate == 24000
+        assert sum(1 for _ in container.decode(video=0)) == 9
+    odd = MediaArtifact(video_spec, video.data[..., :63, :], {"fps": 25.0})
+    with pytest.raises(MediaFormatError) as err:                 # never padded or resized
+        av_preview_urls(odd, audio, 10**6)
+    assert err.value.field == "artifacts.video.shape"
+    with pytest.raises(MediaFormatError) as err:
+        av_preview_urls(video, audio, 1000)
+    assert err.value.field == "artifacts.video"
+    with pytest.raises(MediaFormatError) as err:
+        av_preview_urls(audio, video, 10**6)
