@@ -85,9 +85,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "chaos.png")
+    print(markdown_table(rows))
     print(json.dumps({"all_invariants_hold": result["all_invariants_hold"],
                       "problems": problems}))
     return 0 if result["all_invariants_hold"] else 1
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The chaos table of docs/CLUSTER.md."""
+    out = ["| fault | requests | answered once | typed retryable failures (retried) | never "
+           "answered / untyped or lost / answered twice | healthy again after | trainer steps "
+           "after it |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        failures = ", ".join(f"{k} x{v}" for k, v in sorted(r["failed_retryable"].items())) \
+            or "none"
+        if r["scenario"] == "autoscale":
+            when = f"up 1->2 in {r['scaled_up_s']} s, back to 1 in {r['scaled_down_s']} s"
+        else:
+            when = f"{r['recovered_s']} s"
+        trainer = r.get("trainer_steps_after_fault")
+        out.append(f"| {r['scenario']} | {r['requests']} | {r['answered']} | {failures} | "
+                   f"{r['never_answered']} / {r['untyped_or_lost']} / {r['answered_twice']} | "
+                   f"{when} | {'-' if trainer is None else trainer} |")
+    return "\n".join(out)
 
 
 def plot(result: dict, path: Path) -> None:

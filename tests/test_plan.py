@@ -119,3 +119,15 @@ def test_gpu_plan_cli_for_the_64_gpu_cluster(tmp_path, capsys):
     costs = load_costs(ROOT / "bench/costs/av30b_h200.json")
     clap = costs["stages"]["scorer:clap"]["seconds_per_sample"]
     assert rows["scorer:clap"]["replica_samples_per_s"] == pytest.approx(0.25 / clap, rel=1e-3)
+
+
+def test_sd35_64_gpu_plan_is_rollout_bound_once_ocr_may_scale():
+    costs = load_costs(ROOT / "bench/costs/sd35_medium_h200.json")
+    shipped = stage_costs(load_graph_config(ROOT / "configs/gpu_sd35_pickscore_ocr.yaml"), costs,
+                          latents=["image_latent"])
+    assert make_plan(shipped, 56, costs, 256, 8).bottleneck == "scorer:ocr"   # 8 CPU replicas
+    cluster = stage_costs(load_graph_config(ROOT / "configs/cluster_sd35_64gpu.yaml"), costs,
+                          latents=["image_latent"])
+    plan = best_split(cluster, 64, costs, 256, step=8)
+    assert plan.bottleneck == "rollout" and plan.replicas["scorer:ocr"] <= 200
+    assert plan.trainer["learner_devices"] + sum(r["devices"] for r in plan.rows) <= 64
