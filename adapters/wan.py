@@ -73,6 +73,10 @@ class WanDenoiser:
 
     def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
         media = dict(media or {})
+        if self.conditioned and "condition" not in media:
+            raise InvalidRequestError("Wan image-to-video rows need their condition input",
+                                      field="media.condition", expected="(B, 4 + z, T', h, w)",
+                                      actual=sorted(media))
         hidden = torch.cat([state, media.pop("condition")], dim=1) if self.conditioned \
             else state
         image = media.pop("image_embeds", None)

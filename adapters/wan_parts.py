@@ -14,6 +14,9 @@ Each reproduces one step of diffusers 0.42.1's `pipelines/wan/pipeline_wan.py` /
 """
 from __future__ import annotations
 
+import threading
+import weakref
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -58,6 +61,21 @@ class UMT5Conditioner(TokenizingConditioner):
 
 
 # ---- VAE ------------------------------------------------------------------------------------
+_VAE_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
+_VAE_LOCKS_GUARD = threading.Lock()
+
+
+@contextmanager
+def exclusive(vae: nn.Module):
+    """One encode / decode at a time per AutoencoderKLWan module: it keeps its causal-conv
+    feature cache on the module (clear_cache / _feat_map), so calls from two threads (a decoder
+    replica decodes requests concurrently) interleave into wrong frames and frame counts."""
+    with _VAE_LOCKS_GUARD:
+        lock = _VAE_LOCKS.setdefault(vae, threading.Lock())
+    with lock:
+        yield
+
+
 class WanVAE:
     """AutoencoderKLWan latents in the DiT's space, z_dit = (z - mean) * (1 / std), per channel
     (`latents_mean` / `latents_std` of the VAE config), and the compression the sizes obey."""
@@ -81,7 +99,8 @@ class WanVAE:
         param = next(vae.parameters())
         z = latent.to(param.device, param.dtype)
         z = z / self.inv_std.to(z.device, z.dtype) + self.mean.to(z.device, z.dtype)
-        video = vae.decode(z, return_dict=False)[0].float()                # (B, 3, F, H, W)
+        with exclusive(vae):
+            video = vae.decode(z, return_dict=False)[0].float()            # (B, 3, F, H, W)
         video = (video / 2 + 0.5).clamp(0, 1)
         return (video * 255).round().to(torch.uint8).permute(0, 2, 1, 3, 4).cpu()
 
@@ -95,7 +114,9 @@ class WanVAE:
         _, height, width = pixels.shape
         video = torch.cat([pixels[None, :, None],
                            pixels.new_zeros(1, 3, num_frames - 1, height, width)], dim=2)
-        z = vae.encode(video.to(param.device, param.dtype)).latent_dist.mode().float().cpu()
+        with exclusive(vae):
+            posterior = vae.encode(video.to(param.device, param.dtype)).latent_dist
+        z = posterior.mode().float().cpu()
         z = (z - self.mean) * self.inv_std
         return torch.cat([self.first_frame_mask(num_frames, z.shape[-2], z.shape[-1]), z], dim=1)
 

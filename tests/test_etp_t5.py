@@ -17,6 +17,7 @@ from deployments.encoder import TextEncoderServer, load_encoders
 from deployments.etp import param_bytes, shard_encoder, tp_plan
 
 pytestmark = pytest.mark.timeout(600)
+torch.set_num_threads(1)
 
 TEXTS = ["a red circle", "two blue squares", "cat"]
 WAN = {"max_sequence_length": 16}

@@ -114,6 +114,26 @@ class TestWan21(WanConformance):
         assert float((ours - theirs.detach()).abs().max()) <= 1e-5
         assert bool((ours[0, n:] == 0).all())
 
+    def test_concurrent_decodes_equal_one_at_a_time(self, fam):
+        """AutoencoderKLWan keeps its causal feature cache on the module: a decoder replica
+        decoding requests in threads got wrong frames (and 2 or 8 of 5) before the lock."""
+        import threading
+        modules = fam.load_decoder("video_latent")
+        sampling = SamplingSpec(seeds=(0,), **(SIZE | {"num_frames": 5}))
+        latent = torch.randn(1, 16, 2, 4, 6, generator=torch.Generator().manual_seed(3))
+        alone = fam.codec.decode("video_latent", modules, latent, sampling)
+        results = []
+
+        def decode():
+            for _ in range(3):
+                results.append(fam.codec.decode("video_latent", modules, latent, sampling))
+        threads = [threading.Thread(target=decode) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 9 and all(torch.equal(r, alone) for r in results)
+
     def test_umt5_rejects_prompts_longer_than_its_window(self, fam):
         assert fam.spec.encoders[0].overflow.value == "reject"
         with pytest.raises(LimitExceededError) as err:
@@ -306,8 +326,13 @@ class TestWan21I2V(WanConformance):
         return RolloutRequest(prompt=bundle, task=Task.I2V, media=media, request_id="i1",
                               sampling=SamplingSpec(seeds=(0,), **(SIZE | size)))
 
-    def test_condition_image_is_required_and_sized(self, fam):
+    def test_condition_image_is_required_and_sized(self, fam, encoders, engine):
         assert fam.spec.tasks == {Task.I2V: (MediaRole.FIRST_FRAME,)}
+        cond = fam.conditioner.encode(encoders, fam.conditioner.tokenize(["a cat"]))
+        with pytest.raises(InvalidRequestError) as err:        # the forward without its inputs
+            fam.denoiser.forward(engine.models, torch.zeros(1, 16, 3, 4, 6), torch.ones(1),
+                                 torch.full((1,), 1000.0), cond, None, None)
+        assert err.value.field == "media.condition"
         with pytest.raises(InvalidRequestError) as err:
             fam.validate_request(self.request(fam, None), RequestLimits())
         assert (err.value.field, err.value.expected) == ("media", ["first_frame"])

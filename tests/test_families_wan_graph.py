@@ -15,6 +15,7 @@ from contract import Algorithm
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
+torch.set_num_threads(1)
 
 GRAPH = "configs/wan_tiny.yaml"
 SIZE = {"height": 32, "width": 48, "num_frames": 5}            # 2 latent frames
