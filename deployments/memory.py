@@ -83,8 +83,8 @@ def guard_replica_memory(stage: str) -> MemoryGuard | None:
     """Start the guard at the `memory` resource Ray assigned to this replica; None when the
     stage declares no memory (or outside Ray)."""
     import ray
-    if not ray.is_initialized():
-        return None
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return None                          # not a replica: a driver building a stage in-process
     limit = ray.get_runtime_context().get_assigned_resources().get("memory")
     if not limit:
         return None

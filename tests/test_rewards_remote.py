@@ -58,7 +58,7 @@ def test_remote_ocr_equals_local_and_chunks_concurrently(ocr_server):
     # the server refuses a request without the target text: a 4xx, not retried
     with pytest.raises(RemoteScorerError) as e:
         scorer.score(ScoreRequest(arts, ("a", "b", "c")))
-    assert "HTTP 400" in e.value.message and "ocr_text" in e.value.message
+    assert "HTTP 422" in e.value.message and "ocr_text" in e.value.message   # the client's input
 
 
 def test_media_round_trip_is_exact():
