@@ -94,8 +94,9 @@ def _layers(encoder: nn.Module, plan: ETPPlan) -> nn.ModuleList:
     return layers
 
 
-def tp_plan(encoder: nn.Module, plan: ETPPlan) -> dict[str, object]:
-    """parallelize_module plan: module name -> ParallelStyle, every named module checked."""
+def tp_plan(encoder: nn.Module, plan: ETPPlan, etp: int = 1) -> dict[str, object]:
+    """parallelize_module plan: module name -> ParallelStyle, every named module checked (it
+    exists, and the width it splits divides by etp: Megatron splits evenly)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -112,6 +113,15 @@ def tp_plan(encoder: nn.Module, plan: ETPPlan) -> dict[str, object]:
                     raise ConfigError("the ETP plan names a module the encoder layer lacks",
                                       field=f"etp.{kind}", expected=name,
                                       actual=sorted(n for n in names if n)[:8])
+                module = names[name]
+                width = module.out_features if kind == "column" and hasattr(
+                    module, "out_features") else getattr(module, "in_features", None)
+                if kind == "column" and isinstance(module, nn.Embedding):
+                    width = module.embedding_dim
+                if width is not None and width % etp:
+                    raise ConfigError("a split layer's width does not divide by etp",
+                                      field="etp", expected=f"a divisor of {width} "
+                                      f"({plan.layers}.{i}.{name})", actual=etp)
                 out[f"{plan.layers}.{i}.{name}"] = style()
     return out
 
@@ -137,7 +147,7 @@ def shard_encoder(encoder: nn.Module, plan: ETPPlan, etp: int, device_type: str)
 
     mesh = init_device_mesh(device_type, (etp,))
     tied = [] if plan.vocab is None else _tied_embeddings(encoder, plan.vocab)
-    encoder = parallelize_module(encoder, mesh, tp_plan(encoder, plan))
+    encoder = parallelize_module(encoder, mesh, tp_plan(encoder, plan, etp))
     for owner, attr in tied:           # T5's encoder.embed_tokens runs the sharded `shared`
         setattr(owner, attr, encoder.get_submodule(plan.vocab))
     for layer in _layers(encoder, plan):

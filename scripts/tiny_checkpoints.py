@@ -128,9 +128,10 @@ def _clip_text(seed: int, hidden: int, act: str, projection: bool, vocab_size: i
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     # Real CLIP configs keep the legacy ids bos=0, pad=1, eos=2 (eos=2 makes the pooler take
-    # input_ids.argmax(), i.e. the tokenizer's <|endoftext|>, the largest id).
+    # input_ids.argmax(), i.e. the tokenizer's <|endoftext|>, the largest id). The MLP width
+    # divides by 2 and 4 like real ones (3072, 5120) so ETP can split it (diffusers' test: 37).
     config = CLIPTextConfig(bos_token_id=0, eos_token_id=2, pad_token_id=1, vocab_size=vocab_size,
-                            hidden_size=hidden, intermediate_size=37, num_attention_heads=4,
+                            hidden_size=hidden, intermediate_size=40, num_attention_heads=4,
                             num_hidden_layers=5, layer_norm_eps=1e-5, hidden_act=act,
                             projection_dim=hidden, max_position_embeddings=77)
     cls = CLIPTextModelWithProjection if projection else CLIPTextModel
