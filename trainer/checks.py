@@ -22,7 +22,7 @@ import torch
 from contract import (GuidanceKind, PromptBundle, RolloutOutput, SamplerKind, StartupCheckError,
                       TimeConvention)
 from diffusion.noise import initial_noise
-from diffusion.step import Guidance, denoise_step, doubles_rows
+from diffusion.step import Guidance, denoise_step, doubles_rows, model_dtype
 from trainer.algorithms import recompute_step
 from trainer.learner import Learner
 from trainer.lora import PolicyRole, lora_layers, use_policy
@@ -59,11 +59,12 @@ def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[
     other = next(c for c in TimeConvention if c != declared)
     cond = learner.encode(prompts)
     gen = torch.Generator().manual_seed(seed)
-    eps = torch.randn(x0.shape, generator=gen)
+    eps = torch.randn(x0.shape, generator=gen).to(learner.device)      # on the learner's device
+    x0 = x0.to(learner.device)
     rows = x0.shape[0]
     report: dict[str, float] = {}
     for s in PROBE_SIGMAS:
-        sigma = torch.full((rows,), s)
+        sigma = torch.full((rows,), s, device=learner.device)
         x = (1 - s) * x0 + s * eps                                     # forward process
         x_next_true = (1 - (s - 0.25)) * x0 + (s - 0.25) * eps         # sigma convention
         steps = {}
@@ -96,13 +97,14 @@ def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBu
     family = learner.family
     denoiser = family.denoiser
     scheduler = family.pipeline_scheduler(sampling)
-    sigmas = family.sigmas(sampling)
+    device = learner.device
+    sigmas = family.sigmas(sampling).to(device)
     rows = len(prompts)
     cond = learner.encode(prompts)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen)
+    x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen).to(device)
     inputs = family.codec.encode_media({}, sampling, {}).inputs
-    media = {k: v.expand(rows, *v.shape[1:]) for k, v in inputs.items()} or None
+    media = {k: v.expand(rows, *v.shape[1:]).to(device) for k, v in inputs.items()} or None
     guidance = learner.guidance(rows, 1.0, None)
     worst_time = worst_step = 0.0
     with learner.policy(PolicyRole.REFERENCE) as models:
@@ -114,8 +116,12 @@ def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBu
             time = denoiser.model_time_scale * (sigma if denoiser.time_convention ==
                                                 TimeConvention.NOISE_LEVEL else 1 - sigma)
             embedded = guidance.scale if guidance.kind is GuidanceKind.EMBEDDED else None
-            raw = denoiser.forward(models, x, sigma, t.expand(rows), cond, media,
-                                   embedded)
+            dtype = model_dtype(models)
+            raw = denoiser.forward(models, x.to(dtype), sigma, t.expand(rows).to(device),
+                                   cond.to(device, dtype), media and {
+                                       k: m.to(dtype) if m.is_floating_point() else m
+                                       for k, m in media.items()},
+                                   None if embedded is None else embedded.to(device))
             theirs = scheduler.step(raw.float(), t, x, return_dict=False)[0]
             worst_time = max(worst_time, float((time - t).abs().max()))
             worst_step = max(worst_step, float((ours - theirs).abs().max()))
@@ -169,8 +175,9 @@ def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
     group = len(seeds) // len(prompts)
     repeats = [group] * len(prompts)
     cond = learner.encode(prompts).repeat_rows(repeats)
-    x = initial_noise(list(seeds), family.codec.state_shape(sampling))
-    sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps}))
+    device = learner.device
+    x = initial_noise(list(seeds), family.codec.state_shape(sampling)).to(device)
+    sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps})).to(device)
     uncond = None                                   # guided as the graph's requests were
     if doubles_rows(family.spec.guidance, sampling.guidance_scale):
         uncond = learner.uncond(prompts).repeat_rows(repeats)
@@ -182,7 +189,7 @@ def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
             sigma, sigma_next = sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])
             x = denoise_step(family.denoiser, models, x, sigma, sigma_next, cond, guidance,
                              SamplerKind.ODE, 0.0, media=media or None).prev_sample
-    return x
+    return x.cpu()
 
 
 @contextmanager
@@ -264,7 +271,7 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
                                  None if uncond is None else uncond.index_select(index),
                                  {k: v[index] for k, v in (media or {}).items()} or None)
         sub = _rows(trajectory, rows)
-        lp[rows] = recompute_step(sub, j, v).log_prob
+        lp[rows] = recompute_step(sub, j, v.cpu()).log_prob     # on the stored CPU trajectory
     diff = (lp - trajectory.log_probs[:, 0]).abs()
     ratio_err = float((torch.exp(lp - trajectory.log_probs[:, 0]) - 1).abs().max())
     if ratio_err > tol:
