@@ -135,7 +135,8 @@ def test_shipped_file_config_feeds_prompts_metadata_and_resumes():
     from trainer.config import load_trainer_config
     from trainer.run_state import PromptFeed
     cfg = load_trainer_config("configs/train_tiny_t2i_files.yaml")
-    tokenize = lambda texts: [PromptBundle(token_ids=(1, len(t)), text=t) for t in texts]
+    tokenize = lambda texts, negatives=None: [PromptBundle(token_ids=(1, len(t)), text=t)
+                                              for t in texts]
     feed = PromptFeed(cfg, tokenize)
     assert len(feed.data) == 48 and len(feed.eval_bundles) == cfg.eval.num_prompts == 16
     metadata, media = feed.eval_extras()

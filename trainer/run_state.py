@@ -52,7 +52,7 @@ class PromptFeed:
     Synthetic: captions seeded by (seed, step), as before.
     """
 
-    def __init__(self, cfg: TrainerConfig, tokenize: Callable[[Sequence[str]], list]):
+    def __init__(self, cfg: TrainerConfig, tokenize: Callable[..., list]):
         self.cfg, self.tokenize = cfg, tokenize
         self.data: PromptDataset | None = None
         self._bundles: list[PromptBundle] = []
