@@ -229,6 +229,10 @@ def test_short_runs_with_every_check(deployed, tmp_path, algorithm, task):
     checks = next(r for r in rows if "check_scheduler_step_max_diff" in r)
     assert checks["check_scheduler_step_max_diff"] <= 1e-5
     assert checks["check_lora_probe_max_diff"] <= 1e-4 < checks["check_lora_probe_effect"]
+    print(f"ltx2 {task.value} {algorithm.value}: scheduler step diff "
+          f"{checks['check_scheduler_step_max_diff']:.3g}, LoRA probe diff "
+          f"{checks['check_lora_probe_max_diff']:.3g}, log-prob ratio err "
+          f"{[r.get('logprob_ratio_err_max') for r in steps]}")
     for r in steps:
         assert r["rows"] == 4 and np.isfinite(r["reward_mean"])
         if "logprob_ratio_err_max" in r:     # the learner's log-probs equal the rollout's,
