@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
+from contract import ConfigError, Modality, ScorerOutput
 from rewards.base import ScoreRequest
 from rewards.embedding import (ScoreMap, cosine, map_cosine, ok_output, pooled_features, resample,
                                to_mono)
-from rewards.media import require_decoded
+from rewards.media import require_decoded, require_prompt_per_sample
 
 
 class ClapScorerConfig(BaseModel):
@@ -70,10 +70,7 @@ class ClapScorer:
         cfg = self.config
         art = require_decoded(request.artifacts, cfg.artifact, Modality.AUDIO, self.name)
         batch = art.batch_size
-        if len(request.prompts) != batch:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=batch,
-                                      actual=len(request.prompts))
+        require_prompt_per_sample(request.prompts, batch, self.name)
         waves = resample(to_mono(art.data).cpu().numpy(), int(art.sample_rate),
                          self.sample_rate)                                  # (B, N')
         cos = []

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
+from contract import ConfigError, Modality, ScorerOutput
 from rewards.base import ScoreRequest
 from rewards.embedding import (CLIP_MEAN, CLIP_STD, ScoreMap, cosine, frame_indices, map_cosine,
                                ok_output, pixels_to_model)
-from rewards.media import require_decoded
+from rewards.media import require_decoded, require_prompt_per_sample
 
 _SCHEMAS = ("local-dir:", "hf-hub:")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
@@ -88,10 +88,7 @@ class ClipScorer:
         cfg = self.config
         art = require_decoded(request.artifacts, cfg.artifact, cfg.modality, self.name)
         batch = art.batch_size
-        if len(request.prompts) != batch:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=batch,
-                                      actual=len(request.prompts))
+        require_prompt_per_sample(request.prompts, batch, self.name)
         text = self._encode_text(list(request.prompts))                     # (B, D)
         if cfg.modality == Modality.IMAGE:
             cos = cosine(self._encode_images(art.data), text)               # (B,)

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
+from contract import ConfigError, ScorerOutput
 from rewards.base import ScoreRequest
 from rewards.embedding import ok_output, pooled_features
-from rewards.media import require_decoded
+from rewards.media import image_prompt_chunks
 
 
 class HFClipScorerConfig(BaseModel):
@@ -116,18 +116,11 @@ class _HFClipScorer:
     @torch.inference_mode()
     def cosines(self, request: ScoreRequest) -> tuple[torch.Tensor, int]:
         cfg = self.config
-        art = require_decoded(request.artifacts, cfg.artifact, Modality.IMAGE, self.name)
-        if len(request.prompts) != art.batch_size:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=art.batch_size,
-                                      actual=len(request.prompts))
         out = []
-        for start in range(0, art.batch_size, cfg.max_batch):
-            stop = start + cfg.max_batch
-            img = self.embed_images(art.data[start:stop])
-            txt = self.embed_texts(request.prompts[start:stop])
-            out.append((img * txt).sum(-1))
-        return torch.cat(out), art.batch_size
+        for images, prompts in image_prompt_chunks(request.artifacts, request.prompts,
+                                                   cfg.artifact, self.name, cfg.max_batch):
+            out.append((self.embed_images(images) * self.embed_texts(prompts)).sum(-1))
+        return torch.cat(out), len(request.prompts)
 
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) uint8 -> (N, D) unit-norm float32."""

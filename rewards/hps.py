@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
+from contract import ConfigError, ScorerOutput
 from rewards.aesthetic import load_torch_file
 from rewards.base import ScoreRequest
 from rewards.embedding import CLIP_MEAN, CLIP_STD, ok_output, pixels_to_model
-from rewards.media import require_decoded
+from rewards.media import image_prompt_chunks
 
 
 class HPSv2ScorerConfig(BaseModel):
@@ -73,17 +73,12 @@ class HPSv2Scorer:
     @torch.inference_mode()
     def score(self, request: ScoreRequest) -> ScorerOutput:
         cfg = self.config
-        art = require_decoded(request.artifacts, cfg.artifact, Modality.IMAGE, self.name)
-        if len(request.prompts) != art.batch_size:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=art.batch_size,
-                                      actual=len(request.prompts))
         out = []
-        for start in range(0, art.batch_size, cfg.max_batch):
-            x = pixels_to_model(art.data[start:start + cfg.max_batch], self._size, CLIP_MEAN,
-                                CLIP_STD).to(cfg.device)
+        for images, prompts in image_prompt_chunks(request.artifacts, request.prompts,
+                                                   cfg.artifact, self.name, cfg.max_batch):
+            x = pixels_to_model(images, self._size, CLIP_MEAN, CLIP_STD).to(cfg.device)
             img = self._model.encode_image(x, normalize=True).float()
-            tokens = self._tokenizer(list(request.prompts[start:start + cfg.max_batch]))
+            tokens = self._tokenizer(list(prompts))
             txt = self._model.encode_text(tokens.to(cfg.device), normalize=True).float()
             out.append((img * txt).sum(-1))
         return ok_output(self.name, {"hps": torch.cat(out)})

@@ -24,12 +24,12 @@ from typing import Any, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract import ConfigError, InvalidRequestError, Modality, ScorerOutput
+from contract import ConfigError, ScorerOutput
 from rewards.aesthetic import load_torch_file
 from rewards.base import ScoreRequest
 from rewards.embedding import CLIP_MEAN, CLIP_STD, ok_output, pixels_to_model
 from rewards.heads import load_mlp_head
-from rewards.media import require_decoded
+from rewards.media import image_prompt_chunks
 
 REWARD_MEAN = 0.16717362830052426
 REWARD_STD = 1.0333394966054072
@@ -199,18 +199,12 @@ class ImageRewardScorer:
     @torch.inference_mode()
     def score(self, request: ScoreRequest) -> ScorerOutput:
         cfg = self.config
-        art = require_decoded(request.artifacts, cfg.artifact, Modality.IMAGE, self.name)
-        if len(request.prompts) != art.batch_size:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=art.batch_size,
-                                      actual=len(request.prompts))
         out = []
-        for start in range(0, art.batch_size, cfg.max_batch):
-            x = pixels_to_model(art.data[start:start + cfg.max_batch], cfg.vision.image_size,
-                                CLIP_MEAN, CLIP_STD).to(cfg.device)
+        for images, prompts in image_prompt_chunks(request.artifacts, request.prompts,
+                                                   cfg.artifact, self.name, cfg.max_batch):
+            x = pixels_to_model(images, cfg.vision.image_size, CLIP_MEAN, CLIP_STD).to(cfg.device)
             image_embeds = self._vision(pixel_values=x).last_hidden_state
-            tok = self._tokenizer(list(request.prompts[start:start + cfg.max_batch]),
-                                  padding="max_length", truncation=True,
+            tok = self._tokenizer(list(prompts), padding="max_length", truncation=True,
                                   max_length=cfg.max_text_tokens,
                                   return_tensors="pt").to(cfg.device)
             atts = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=cfg.device)

@@ -37,7 +37,7 @@ from rewards.base import ScoreRequest
 from rewards.embedding import (CLIP_MEAN, CLIP_STD, ScoreMap, cosine, map_cosine, ok_output,
                                pixels_to_model, resample, to_mono)
 from rewards.fbank import kaldi_fbank
-from rewards.media import require_decoded
+from rewards.media import require_decoded, require_prompt_per_sample
 
 INSTALL_HINT = ('pip install -c constraints.txt ".[imagebind]" && '
                 "pip install --no-deps imagebind-unofficial==0.1.1")
@@ -138,10 +138,7 @@ class ImageBindScorer:
             batch = audio.batch_size
             inputs[self._modality.AUDIO] = self._audio_input(audio.data, int(audio.sample_rate))
         if "text" in self._uses:
-            if len(request.prompts) != batch:
-                raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                          field=f"{self.name}.prompts", expected=batch,
-                                          actual=len(request.prompts))
+            require_prompt_per_sample(request.prompts, batch, self.name)
             inputs[self._modality.TEXT] = self._tokenizer(list(request.prompts))
         emb = self._model({k: v.to(cfg.device) for k, v in inputs.items()})  # each (B, D)
         key = {"video": self._modality.VISION, "audio": self._modality.AUDIO,

@@ -1,10 +1,12 @@
 """Media checks at the scorer boundary: a scorer states what it reads, these refuse anything else."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from contract import (DECODED_LAYOUT, MediaArtifact, MediaFormatError, Modality, Representation,
-                      validate_artifact)
+import torch
+
+from contract import (DECODED_LAYOUT, InvalidRequestError, MediaArtifact, MediaFormatError,
+                      Modality, Representation, validate_artifact)
 from contract.errors import MissingArtifactError
 
 
@@ -39,3 +41,21 @@ def require_decoded(artifacts: Mapping[str, MediaArtifact], name: str, modality:
                                field=f"{field}.shape", expected=3,
                                actual=tuple(artifact.data.shape))
     return artifact
+
+
+def require_prompt_per_sample(prompts: Sequence[str], batch: int, scorer: str) -> None:
+    """Refuse a request whose prompt count is not its sample count."""
+    if len(prompts) != batch:
+        raise InvalidRequestError(f"scorer {scorer!r} needs one prompt per sample",
+                                  field=f"{scorer}.prompts", expected=batch, actual=len(prompts))
+
+
+def image_prompt_chunks(artifacts: Mapping[str, MediaArtifact], prompts: Sequence[str],
+                        name: str, scorer: str,
+                        max_batch: int) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """Decoded image artifact `name` (B, 3, H, W) and one prompt per sample, in forward-sized
+    chunks: [(images (b, 3, H, W) uint8, their b prompts)], b <= max_batch."""
+    art = require_decoded(artifacts, name, Modality.IMAGE, scorer)
+    require_prompt_per_sample(prompts, art.batch_size, scorer)
+    return [(art.data[start:start + max_batch], tuple(prompts[start:start + max_batch]))
+            for start in range(0, art.batch_size, max_batch)]

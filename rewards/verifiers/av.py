@@ -21,7 +21,7 @@ import torch
 from contract import Modality, ScorerOutput, ScoreStatus
 from contract.errors import InvalidRequestError, MediaFormatError
 from rewards.base import ScoreRequest
-from rewards.media import require_decoded
+from rewards.media import require_decoded, require_prompt_per_sample
 from synthetic.clips import PITCH_HZ, RGB, Color, parse_caption
 
 FG_THRESHOLD = 40.0        # uint8 distance from the background that counts as the object
@@ -196,10 +196,7 @@ class PitchColorScorer(_VideoAudioScorer):
 
     def score(self, request: ScoreRequest) -> ScorerOutput:
         video, audio = self._media(request)
-        if len(request.prompts) != video.batch_size:
-            raise InvalidRequestError(f"scorer {self.name!r} needs one prompt per sample",
-                                      field=f"{self.name}.prompts", expected=video.batch_size,
-                                      actual=len(request.prompts))
+        require_prompt_per_sample(request.prompts, video.batch_size, self.name)
         v, a = video.data.cpu().numpy(), audio.data.detach().cpu().float().numpy()
         out: dict[str, list[float]] = {"pitch_color": [], "pitch_caption": [], "pitch_video": [],
                                        "pitch_hz": []}
