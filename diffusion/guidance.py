@@ -32,10 +32,10 @@ def cfg_velocity(v_uncond: torch.Tensor, v_cond: torch.Tensor,
     return v_uncond + scale * (v_cond - v_uncond)
 
 
-def cfg_x0(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor, v_cond: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """Guidance applied to the x0 estimates, returned as a velocity. x, v_*: (B, *S); sigma: (B,)
-    with sigma > 0 (x0 = x at sigma = 0 carries no velocity)."""
+def _x0_guidance_inputs(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor,
+                        v_cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Checked (x, sigma, v_uncond, v_cond) of an x0-space combination: float x, both
+    velocities x's shape, sigma (B,) and > 0 (x0 = x at sigma = 0 carries no velocity)."""
     x = check_float_tensor(x, "x")
     v_cond = check_same_shape(v_cond, x, "v_cond")
     v_uncond = check_same_shape(v_uncond, x, "v_uncond")
@@ -43,6 +43,14 @@ def cfg_x0(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor, v_cond:
     if not bool((sigma > 0).all()):
         raise InvalidRequestError("x0-space guidance needs sigma > 0", field="sigma",
                                   expected="> 0", actual=sigma.tolist())
+    return x, sigma, v_uncond, v_cond
+
+
+def cfg_x0(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor, v_cond: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Guidance applied to the x0 estimates, returned as a velocity. x, v_*: (B, *S); sigma: (B,)
+    with sigma > 0 (x0 = x at sigma = 0 carries no velocity)."""
+    x, sigma, v_uncond, v_cond = _x0_guidance_inputs(x, sigma, v_uncond, v_cond)
     s = rows(sigma, x.ndim)
     x0_u = x - s * v_uncond
     x0_c = x - s * v_cond
@@ -120,13 +128,7 @@ def x0_stream_guidance(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Ten
                        bounds: torch.Tensor | None) -> torch.Tensor:
     """Per stream: x0_* = x - sigma v_*, x0 = x0_c + (g - 1)(x0_c - x0_u), rescaled, and
     v = (x - x0) / sigma. x, v_*: (B, *S); sigma, scale: (B,), sigma > 0."""
-    x = check_float_tensor(x, "x")
-    v_cond = check_same_shape(v_cond, x, "v_cond")
-    v_uncond = check_same_shape(v_uncond, x, "v_uncond")
-    sigma = check_row_sigma(sigma, x.shape[0], "sigma")
-    if not bool((sigma > 0).all()):
-        raise InvalidRequestError("x0-space guidance needs sigma > 0", field="sigma",
-                                  expected="> 0", actual=sigma.tolist())
+    x, sigma, v_uncond, v_cond = _x0_guidance_inputs(x, sigma, v_uncond, v_cond)
     b, n = x.shape[0], x[0].numel()
     if bounds is None:
         if len(streams) != 1:

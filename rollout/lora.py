@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -154,6 +154,34 @@ def map_lora_tensors(model: nn.Module, lora_map: LoRATargetMap,
     return deltas
 
 
+def check_resident(versions: tuple[str, ...], version: str, request_id: str | None) -> None:
+    if version not in versions:
+        raise PolicyVersionError("policy version is not resident on this replica",
+                                 field="policy_version", expected=list(versions),
+                                 actual=version, request_id=request_id)
+
+
+def check_loadable(version: str, pinned: frozenset[str]) -> None:
+    """Refuse loading over "base" or over a version running requests use."""
+    if version == BASE_VERSION:
+        raise PolicyVersionError("'base' is the model without LoRA and cannot be loaded",
+                                 field="version", actual=version)
+    if version in pinned:
+        raise PolicyVersionError("version is in use by running requests; load it under a "
+                                 "new name", field="version", actual=version)
+
+
+def lru_victim(versions: Iterable[str], pinned: frozenset[str], max_versions: int) -> str:
+    """The least recently used unpinned version (`versions` in LRU order), to evict."""
+    resident = list(versions)
+    victim = next((v for v in resident if v not in pinned), None)
+    if victim is None:
+        raise PolicyVersionError("every resident version is in use; cannot evict",
+                                 field="version", expected=f"<= {max_versions} resident",
+                                 actual=resident)
+    return victim
+
+
 class LoRASlots:
     """Resident LoRA versions on one inference-form model, applied per forward by version.
 
@@ -182,31 +210,18 @@ class LoRASlots:
         return self._latest if self._latest in self.versions() else BASE_VERSION
 
     def check(self, version: str, request_id: str | None = None) -> None:
-        if version not in self.versions():
-            raise PolicyVersionError("policy version is not resident on this replica",
-                                     field="policy_version", expected=list(self.versions()),
-                                     actual=version, request_id=request_id)
+        check_resident(self.versions(), version, request_id)
 
     def load(self, version: str, tensors: Mapping[str, torch.Tensor], scale: float = 1.0,
              pinned: frozenset[str] = frozenset(), copy: bool = True) -> None:
         """Map and store `tensors` as `version`; evicts the LRU unpinned version when full.
         copy: see map_lora_tensors."""
-        if version == BASE_VERSION:
-            raise PolicyVersionError("'base' is the model without LoRA and cannot be loaded",
-                                     field="version", actual=version)
-        if version in pinned:
-            raise PolicyVersionError("version is in use by running requests; load it under a "
-                                     "new name", field="version", actual=version)
+        check_loadable(version, pinned)
         deltas = map_lora_tensors(self.model, self.lora_map, tensors, scale, copy=copy)
         with self.lock:
             self._versions.pop(version, None)
             while len(self._versions) >= self.max_versions:
-                victim = next((v for v in self._versions if v not in pinned), None)
-                if victim is None:
-                    raise PolicyVersionError("every resident version is in use; cannot evict",
-                                             field="version", expected=f"<= {self.max_versions} "
-                                             "resident", actual=list(self._versions))
-                self._drop(victim)
+                self._drop(lru_victim(self._versions, pinned, self.max_versions))
             self._versions[version] = deltas
             self._latest = version
             for name in deltas:
@@ -300,19 +315,11 @@ class LoRASlotGroup:
         return next(reversed(self._versions), BASE_VERSION)
 
     def check(self, version: str, request_id: str | None = None) -> None:
-        if version not in self.versions():
-            raise PolicyVersionError("policy version is not resident on this replica",
-                                     field="policy_version", expected=list(self.versions()),
-                                     actual=version, request_id=request_id)
+        check_resident(self.versions(), version, request_id)
 
     def load(self, version: str, tensors: Mapping[str, torch.Tensor], scale: float = 1.0,
              pinned: frozenset[str] = frozenset(), copy: bool = True) -> None:
-        if version == BASE_VERSION:
-            raise PolicyVersionError("'base' is the model without LoRA and cannot be loaded",
-                                     field="version", actual=version)
-        if version in pinned:
-            raise PolicyVersionError("version is in use by running requests; load it under a "
-                                     "new name", field="version", actual=version)
+        check_loadable(version, pinned)
         parts = split_by_component(tensors, self.components)
         if not parts:
             raise LoRAMapError("LoRA has no tensors (zero matched modules)", field="lora",
@@ -321,12 +328,7 @@ class LoRASlotGroup:
             if version in self._versions:
                 self.unload(version, pinned)
             while len(self._versions) >= self.max_versions:
-                victim = next((v for v in self._versions if v not in pinned), None)
-                if victim is None:
-                    raise PolicyVersionError("every resident version is in use; cannot evict",
-                                             field="version", expected=f"<= {self.max_versions}"
-                                             " resident", actual=list(self._versions))
-                self.unload(victim, pinned)
+                self.unload(lru_victim(self._versions, pinned, self.max_versions), pinned)
             done: list[str] = []
             try:
                 for name, part in parts.items():
