@@ -45,6 +45,29 @@ def param_bytes(modules) -> int:
     return sum(seen.values())
 
 
+def check_time_convention_flip(family: str, root, options: dict, size: dict,
+                               monkeypatch) -> None:
+    """Random tiny weights: the time-convention check compares steps with the checkpoint's own
+    scheduler, so it passes for the family's declared convention and fails, naming
+    adapter.time_convention, once the declaration is flipped."""
+    from contract import StartupCheckError, TimeConvention
+    from trainer import checks
+    from trainer.config import OptimizerConfig
+    from trainer.learner import Learner
+    from trainer.lora import LoRATrainConfig
+    fam = get_family(family, root, options)
+    learner = Learner(fam, fam.load_transformers(), fam.load_encoders(),
+                      LoRATrainConfig(rank=2, alpha=2), OptimizerConfig())
+    prompts = fam.conditioner.tokenize(list(PROMPTS))
+    sampling = SamplingSpec(num_steps=3, seeds=(0,), **size)
+    report = checks.check_time_convention_scheduler(learner, prompts, sampling)
+    assert report["scheduler_step_max_diff"] <= 1e-5
+    monkeypatch.setattr(fam.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
+    with pytest.raises(StartupCheckError) as err:
+        checks.check_time_convention_scheduler(learner, prompts, sampling)
+    assert err.value.field == "adapter.time_convention"
+
+
 class FamilyConformance:
     family: str                       # registry name
     checkpoint: str                   # tiny checkpoint family (scripts/tiny_checkpoints.py)

@@ -9,7 +9,8 @@ import torch
 from adapters.family import Overflow
 from contract import (InvalidRequestError, LimitExceededError, RequestLimits, RolloutRequest,
                       SamplingSpec, Task)
-from tests.family_conformance import NEGATIVE, PROMPTS, FamilyConformance
+from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
+                                      check_time_convention_flip)
 
 torch.set_num_threads(1)
 
@@ -119,25 +120,8 @@ class TestFlux(FamilyConformance):
 @pytest.mark.parametrize("case", [TestSD3, TestFlux])
 def test_time_convention_check_against_the_checkpoint_scheduler(case, tiny_checkpoint,
                                                                 monkeypatch):
-    """Random tiny weights: the check compares steps with the checkpoint's own scheduler, so it
-    passes for the declared convention and fails when the declaration is flipped."""
-    from adapters.registry import get_family
-    from contract import StartupCheckError, TimeConvention
-    from trainer import checks
-    from trainer.config import OptimizerConfig
-    from trainer.learner import Learner
-    from trainer.lora import LoRATrainConfig
-    family = get_family(case.family, tiny_checkpoint(case.checkpoint), case.options)
-    learner = Learner(family, family.load_transformers(), family.load_encoders(),
-                      LoRATrainConfig(rank=2, alpha=2), OptimizerConfig())
-    prompts = family.conditioner.tokenize(list(PROMPTS))
-    sampling = SamplingSpec(num_steps=3, seeds=(0,), **case.size)
-    report = checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert report["scheduler_step_max_diff"] <= 1e-5
-    monkeypatch.setattr(family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
-    with pytest.raises(StartupCheckError) as err:
-        checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert err.value.field == "adapter.time_convention"
+    check_time_convention_flip(case.family, tiny_checkpoint(case.checkpoint), case.options,
+                               case.size, monkeypatch)
 
 
 @pytest.mark.parametrize("config,family", [("configs/sd3.yaml", "sd3"),

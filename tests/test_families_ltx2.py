@@ -24,7 +24,8 @@ from contract import (ConfigError, InvalidRequestError, MediaFormatError, MediaI
                       SamplingSpec, Task)
 from diffusion.noise import initial_noise
 from rollout.engine_api import EngineRequest
-from tests.family_conformance import NEGATIVE, PROMPTS, FamilyConformance
+from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
+                                      check_time_convention_flip)
 
 torch.set_num_threads(1)
 
@@ -291,22 +292,7 @@ class TestLTX2(FamilyConformance):
 
 
 def test_time_convention_check_against_the_checkpoint_scheduler(tiny_checkpoint, monkeypatch):
-    from contract import StartupCheckError, TimeConvention
-    from trainer import checks
-    from trainer.config import OptimizerConfig
-    from trainer.learner import Learner
-    from trainer.lora import LoRATrainConfig
-    family = get_family("ltx2", tiny_checkpoint("ltx2"), OPTIONS)
-    learner = Learner(family, family.load_transformers(), family.load_encoders(),
-                      LoRATrainConfig(rank=2, alpha=2), OptimizerConfig())
-    prompts = family.conditioner.tokenize(list(PROMPTS))
-    sampling = SamplingSpec(num_steps=3, seeds=(0,), **SIZE)
-    report = checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert report["scheduler_step_max_diff"] <= 1e-5
-    monkeypatch.setattr(family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
-    with pytest.raises(StartupCheckError) as err:
-        checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert err.value.field == "adapter.time_convention"
+    check_time_convention_flip("ltx2", tiny_checkpoint("ltx2"), OPTIONS, SIZE, monkeypatch)
 
 
 def test_gemma_etp_plan_names_the_real_modules(tiny_checkpoint):

@@ -19,7 +19,8 @@ from contract import (ConfigError, InvalidRequestError, LimitExceededError, LoRA
 from diffusion.guidance import cfg_velocity
 from diffusion.noise import initial_noise
 from diffusion.step import Guidance, predict_velocity
-from tests.family_conformance import NEGATIVE, PROMPTS, FamilyConformance
+from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
+                                      check_time_convention_flip)
 
 torch.set_num_threads(1)
 
@@ -374,19 +375,5 @@ class TestWan21I2V(WanConformance):
 @pytest.mark.parametrize("case", [TestWan21, TestWan22])
 def test_time_convention_check_against_the_checkpoint_scheduler(case, tiny_checkpoint,
                                                                 monkeypatch):
-    from contract import StartupCheckError, TimeConvention
-    from trainer import checks
-    from trainer.config import OptimizerConfig
-    from trainer.learner import Learner
-    from trainer.lora import LoRATrainConfig
-    family = get_family(case.family, tiny_checkpoint(case.checkpoint), case.options)
-    learner = Learner(family, family.load_transformers(), family.load_encoders(),
-                      LoRATrainConfig(rank=2, alpha=2), OptimizerConfig())
-    prompts = family.conditioner.tokenize(list(PROMPTS))
-    sampling = SamplingSpec(num_steps=3, seeds=(0,), **SIZE)
-    report = checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert report["scheduler_step_max_diff"] <= 1e-5
-    monkeypatch.setattr(family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
-    with pytest.raises(StartupCheckError) as err:
-        checks.check_time_convention_scheduler(learner, prompts, sampling)
-    assert err.value.field == "adapter.time_convention"
+    check_time_convention_flip(case.family, tiny_checkpoint(case.checkpoint), case.options, SIZE,
+                               monkeypatch)
