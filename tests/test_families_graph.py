@@ -5,14 +5,13 @@ time convention against the checkpoint's scheduler, the LoRA map, the token ids)
 checks failing on purpose."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
 
 from contract import Algorithm, StartupCheckError, TimeConvention
 from tests.lora_utils import swap_qk
+from tests.trainer_helpers import checked_steps
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -90,13 +89,7 @@ def test_each_algorithm_trains_with_every_check(deployed, tmp_path, algorithm):
     trainer = Trainer(trainer_config(tmp_path, family, config, algorithm))
     history = trainer.run()
     assert len(history) == 2
-    rows = [json.loads(line) for line in
-            (tmp_path / algorithm.value / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_s" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    checks = next(r for r in rows if "check_scheduler_step_max_diff" in r)
-    assert checks["check_scheduler_step_max_diff"] <= 1e-5
-    assert checks["check_lora_probe_max_diff"] <= 1e-4 < checks["check_lora_probe_effect"]
+    steps, _ = checked_steps(tmp_path / algorithm.value)
     assert any(r.get("grad_norm", 0) > 0 for r in steps)     # it really stepped
     for r in steps:
         if "logprob_ratio_err_max" in r:

@@ -20,6 +20,7 @@ import yaml
 
 from contract import (Algorithm, MediaInput, MediaRole, Modality, RolloutRequest, SamplerKind,
                       SamplingSpec, ScoreStatus, Task)
+from tests.trainer_helpers import checked_steps
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(1200)
@@ -222,13 +223,7 @@ def test_short_runs_with_every_check(deployed, tmp_path, algorithm, task):
     trainer = Trainer(trainer_config(deployed, tmp_path, algorithm, task, data))
     before = {k: v.clone() for k, v in trainer.learner.export()[0].items()}
     assert len(trainer.run()) == 2
-    rows = [json.loads(line) for line in
-            (tmp_path / algorithm.value / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_s" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    checks = next(r for r in rows if "check_scheduler_step_max_diff" in r)
-    assert checks["check_scheduler_step_max_diff"] <= 1e-5
-    assert checks["check_lora_probe_max_diff"] <= 1e-4 < checks["check_lora_probe_effect"]
+    steps, checks = checked_steps(tmp_path / algorithm.value)
     print(f"ltx2 {task.value} {algorithm.value}: scheduler step diff "
           f"{checks['check_scheduler_step_max_diff']:.3g}, LoRA probe diff "
           f"{checks['check_lora_probe_max_diff']:.3g}, log-prob ratio err "

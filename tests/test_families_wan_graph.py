@@ -5,13 +5,12 @@ with every start-up check on (time convention against the checkpoint's scheduler
 token ids); Wan 2.2 trains both experts."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
 
 from contract import Algorithm
+from tests.trainer_helpers import checked_steps
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -82,13 +81,7 @@ def test_short_runs_with_every_check(deployed, tmp_path, algorithm):
     trainer = Trainer(trainer_config(tmp_path, over, algorithm))
     before = {k: v.clone() for k, v in trainer.learner.export()[0].items()}
     assert len(trainer.run()) == 2
-    rows = [json.loads(line) for line in
-            (tmp_path / algorithm.value / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_s" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    checks = next(r for r in rows if "check_scheduler_step_max_diff" in r)
-    assert checks["check_scheduler_step_max_diff"] <= 1e-5
-    assert checks["check_lora_probe_max_diff"] <= 1e-4 < checks["check_lora_probe_effect"]
+    steps, _ = checked_steps(tmp_path / algorithm.value)
     for r in steps:
         assert r["rows"] == 4 and 0.0 <= r["reward_mean"] <= 1.0
         if "logprob_ratio_err_max" in r:

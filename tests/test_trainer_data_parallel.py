@@ -4,22 +4,21 @@ metrics -- for LoRA (all-reduce of the adapter's gradients) and for full fine-tu
 with FSDP2."""
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
 import torch
 
 from adapters.tiny_t2i import TinyT2IFamily
-from contract import Algorithm, RewardReport, RolloutOutput
+from contract import Algorithm
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import EngineRequest
+from tests.trainer_helpers import sampled_batch
 from trainer.config import PromptSource, load_trainer_config
 from trainer.distributed import Colocation, RayTrainLearners, controller_settings
 from trainer.learner import Learner
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
-from trainer.prompts import captions, make_requests
-from trainer.updates import UPDATES, build_batch
+from trainer.prompts import captions
+from trainer.updates import UPDATES
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,20 +38,7 @@ def _batch(learner, cfg):
     engine = EmbeddedEngine(family, {"transformer": copy.deepcopy(
         family.load_transformers()["transformer"])}, {})
     prompts = family.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 4))
-    requests = make_requests(family, prompts, cfg.sampler, 4, 11, "base")
-
-    async def go():
-        return [await engine.generate(EngineRequest(r, learner.encode([p]), None,
-                                                    ("image_latent",), {}, "base"))
-                for r, p in zip(requests, prompts)]
-    results = asyncio.run(go())
-    asyncio.run(engine.shutdown())
-    outputs = [RolloutOutput(r.request_id, dict(e.latents), e.trajectory, e.policy_version,
-                             r.sampling.seeds, rewards=RewardReport({}, tuple(
-                                 (-(e.latents["image_latent"].data.mean(dim=(1, 2, 3)) - 0.1)
-                                  .abs()).tolist()), {}))
-               for r, e in zip(requests, results)]
-    return build_batch(learner, prompts, outputs, [r.sampling for r in requests])
+    return sampled_batch(learner, engine, prompts, cfg.sampler, 4, 11, "base")
 
 
 def _assert_same(a: dict, b: dict, atol: float = 1e-6) -> None:

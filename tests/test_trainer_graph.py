@@ -3,8 +3,6 @@ checkpoint + resume, and the start-up checks failing on purpose (LoRA map broken
 flip removed)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from contract import Algorithm, StartupCheckError, TimeConvention
 from trainer import checks
 from tests.serve_utils import replica_actors
 from tests.lora_utils import swap_qk
+from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -21,13 +20,7 @@ APP = "trainer_t2i"
 
 
 def graph_config():
-    return {"app_name": APP, "rollout": {"adapter": "tiny_t2i"},
-            "rollout_stage": {"num_cpus": 0.5},
-            "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
-                         "inputs": ["image"], "reward": {"policy": "required"}}],
-            "limits": {"max_prompts": 8, "max_samples_per_prompt": 8, "max_steps": 20,
-                       "max_height": 32, "max_width": 32, "max_frames": 1},
-            "policy_store": "trainer_test_store"}
+    return tiny_graph(APP, "trainer_test_store")
 
 
 def trainer_config(tmp_path, algorithm: Algorithm, mode: str = "async", **over):
@@ -46,13 +39,7 @@ def trainer_config(tmp_path, algorithm: Algorithm, mode: str = "async", **over):
 
 @pytest.fixture(scope="module")
 def graph(ray_cluster):
-    from ray import serve
-
-    from graph import build_app
-    cfg = load_trainer_config({"graph": graph_config()}).graph_config()
-    serve.run(build_app(cfg), name=APP, route_prefix=None)
-    yield cfg
-    serve.delete(APP)
+    yield from serve_graph(graph_config())
 
 
 @pytest.mark.parametrize("algorithm,mode", [(Algorithm.NFT, "async"),
@@ -66,8 +53,8 @@ def test_short_loop(graph, tmp_path, algorithm, mode):
     history = trainer.run()
     assert len(history) == 2
     run = tmp_path / algorithm.value
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_s" in r]
+    rows = metric_rows(run)
+    steps = train_steps(rows)
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["logprob_ratio_err_max"] <= 1e-4            # version parity, fp32

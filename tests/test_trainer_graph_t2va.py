@@ -3,13 +3,12 @@ data-progress time convention): each algorithm for a short loop on the rule-base
 and the time-convention check failing when the flip is removed (declared as noise_level)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from adapters.tiny_t2va import SHIPPED_WEIGHTS
 from contract import Algorithm, StartupCheckError, TimeConvention
+from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import load_trainer_config
 
 pytestmark = [pytest.mark.timeout(900),
@@ -21,11 +20,8 @@ AV_SCORERS = [{"name": name, "scorer": {"kind": name}, "inputs": ["video", "audi
 
 
 def graph_config():
-    return {"app_name": APP, "rollout": {"adapter": "tiny_t2va"},
-            "rollout_stage": {"num_cpus": 0.5}, "scorers": AV_SCORERS,
-            "limits": {"max_prompts": 8, "max_samples_per_prompt": 8, "max_steps": 20,
-                       "max_height": 32, "max_width": 32, "max_frames": 8},
-            "policy_store": "trainer_test_store_t2va"}
+    return tiny_graph(APP, "trainer_test_store_t2va", rollout={"adapter": "tiny_t2va"},
+                      scorers=AV_SCORERS, max_frames=8)
 
 
 def trainer_config(tmp_path, algorithm: Algorithm, mode: str, **over):
@@ -43,13 +39,7 @@ def trainer_config(tmp_path, algorithm: Algorithm, mode: str, **over):
 
 @pytest.fixture(scope="module")
 def graph(ray_cluster):
-    from ray import serve
-
-    from graph import build_app
-    cfg = load_trainer_config({"graph": graph_config()}).graph_config()
-    serve.run(build_app(cfg), name=APP, route_prefix=None)
-    yield cfg
-    serve.delete(APP)
+    yield from serve_graph(graph_config())
 
 
 @pytest.mark.parametrize("algorithm,mode", [(Algorithm.NFT, "async"),
@@ -64,8 +54,8 @@ def test_short_loop_t2va(graph, tmp_path, algorithm, mode):
     before = {k: v.clone() for k, v in trainer.learner.export()[0].items()}
     history = trainer.run()
     run = tmp_path / algorithm.value
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_s" in r]
+    rows = metric_rows(run)
+    steps = train_steps(rows)
     assert [r["step"] for r in steps] == [1, 2] and len(history) == 2
     for r in steps:
         assert r["rows"] == 4 and torch.isfinite(torch.tensor(r["reward_mean"]))

@@ -5,22 +5,21 @@ bf16 weights train fp32 LoRA masters, and a dtype or worker count the setup cann
 typed error naming the field -- before any weight is loaded."""
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
 import torch
 
 from adapters.tiny_t2i import TinyT2IFamily
-from contract import Algorithm, ConfigError, PolicyKind, RewardReport, RolloutOutput
+from contract import Algorithm, ConfigError, PolicyKind
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import EngineRequest
+from tests.trainer_helpers import sampled_batch
 from trainer.config import PromptSource, SamplerSettings, TrainerConfig, load_trainer_config
 from trainer.learner import Learner
 from trainer.learner_config import LearnerConfig
-from trainer.prompts import captions, make_requests
+from trainer.prompts import captions
 from trainer.train_noise import Draw, row_randn
-from trainer.updates import UPDATES, build_batch, plan_update, run_update, shard_plan
+from trainer.updates import UPDATES, plan_update, run_update, shard_plan
 
 
 def _cfg(algorithm: Algorithm, **learner) -> TrainerConfig:
@@ -52,20 +51,7 @@ def setup():
     tensors, scale = learner.export()
     engine.load_lora("mb-v0", tensors, scale)
     prompts = family.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 0))
-    requests = make_requests(family, prompts, _cfg(Algorithm.NFT).sampler, 4, 0, "mb-v0")
-
-    async def go():
-        return [await engine.generate(EngineRequest(r, learner.encode([p]), None,
-                                                    ("image_latent",), {}, "mb-v0"))
-                for r, p in zip(requests, prompts)]
-    results = asyncio.run(go())
-    asyncio.run(engine.shutdown())
-    outputs = [RolloutOutput(r.request_id, dict(e.latents), e.trajectory, e.policy_version,
-                             r.sampling.seeds, rewards=RewardReport({}, tuple(
-                                 (-(e.latents["image_latent"].data.mean(dim=(1, 2, 3)) - 0.1)
-                                  .abs()).tolist()), {}))
-               for r, e in zip(requests, results)]
-    batch = build_batch(learner, prompts, outputs, [r.sampling for r in requests])
+    batch = sampled_batch(learner, engine, prompts, _cfg(Algorithm.NFT).sampler, 4, 0, "mb-v0")
     yield family, transformers, learner, batch
 
 

@@ -8,10 +8,9 @@
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import load_trainer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -20,24 +19,12 @@ APP = "trainer_placement"
 
 
 def graph_config():
-    return {"app_name": APP, "rollout": {"adapter": "tiny_t2i"},
-            "rollout_stage": {"num_cpus": 0.5},
-            "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
-                         "inputs": ["image"], "reward": {"policy": "required"}}],
-            "limits": {"max_prompts": 8, "max_samples_per_prompt": 8, "max_steps": 20,
-                       "max_height": 32, "max_width": 32, "max_frames": 1},
-            "policy_store": "trainer_placement_store"}
+    return tiny_graph(APP, "trainer_placement_store")
 
 
 @pytest.fixture(scope="module")
 def graph(ray_cluster):
-    from ray import serve
-
-    from graph import build_app
-    cfg = load_trainer_config({"graph": graph_config()}).graph_config()
-    serve.run(build_app(cfg), name=APP, route_prefix=None)
-    yield cfg
-    serve.delete(APP)
+    yield from serve_graph(graph_config())
 
 
 def _config(tmp_path, **over):
@@ -51,11 +38,6 @@ def _config(tmp_path, **over):
     return load_trainer_config(cfg)
 
 
-def _steps(run_dir):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "train_s" in r]
-
-
 def test_disaggregated_fsdp2_workers_publish_full_weight_versions(graph, tmp_path):
     from trainer.loop import Trainer
     cfg = _config(tmp_path, algorithm="flow_grpo", optimizer={"lr": 1e-4},
@@ -66,7 +48,7 @@ def test_disaggregated_fsdp2_workers_publish_full_weight_versions(graph, tmp_pat
     assert [r.get("CPU") for r in trainer.learners.worker_resources] == [0.5, 0.5]
     history = trainer.run()
     assert len(history) == 2
-    for row in _steps(tmp_path):
+    for row in train_steps(metric_rows(tmp_path)):
         assert row["rows"] == 4 and row["grad_norm"] > 0
         assert row["logprob_ratio_err_max"] <= 1e-4     # sampled with the exact full weights
     assert trainer.publisher.kind.value == "full"
@@ -86,4 +68,4 @@ def test_colocated_learner_steps_while_the_rollout_engine_sleeps(graph, tmp_path
     trainer = Trainer(cfg)
     history = trainer.run()
     assert len(history) == 2 and trainer.learners.colocation.cycles == 2
-    assert all(r["grad_norm"] > 0 for r in _steps(tmp_path))
+    assert all(r["grad_norm"] > 0 for r in train_steps(metric_rows(tmp_path)))

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from contract import Algorithm, ConfigError
+from contract import ConfigError
+from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import PromptSource, load_trainer_config
 from trainer.prompts import captions
 
@@ -24,24 +25,13 @@ TIMING = ("_s", "samples_per_s")
 def graph_config():
     # one request per forward (max_batch_rows = group size): the two runs must not differ in
     # which rows share a forward, which changes float summation order
-    return {"app_name": APP, "rollout": {"adapter": "tiny_t2i", "limits": {"max_batch_rows": 2}},
-            "rollout_stage": {"num_cpus": 0.5},
-            "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
-                         "inputs": ["image"], "reward": {"policy": "required"}}],
-            "limits": {"max_prompts": 8, "max_samples_per_prompt": 8, "max_steps": 20,
-                       "max_height": 32, "max_width": 32, "max_frames": 1},
-            "policy_store": "trainer_resume_store"}
+    return tiny_graph(APP, "trainer_resume_store",
+                      rollout={"adapter": "tiny_t2i", "limits": {"max_batch_rows": 2}})
 
 
 @pytest.fixture(scope="module")
 def graph(ray_cluster):
-    from ray import serve
-
-    from graph import build_app
-    cfg = load_trainer_config({"graph": graph_config()}).graph_config()
-    serve.run(build_app(cfg), name=APP, route_prefix=None)
-    yield cfg
-    serve.delete(APP)
+    yield from serve_graph(graph_config())
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +123,7 @@ def test_resume_after_step_2_equals_the_uninterrupted_run(graph, tmp_path, promp
     from trainer.logs import load_checkpoint
     tensors, _, state = load_checkpoint(tmp_path / "stopped")
     assert state["step"] == 5
-    rows = [json.loads(x) for x in (tmp_path / "stopped" / "metrics.jsonl").read_text()
-            .splitlines()]
-    assert [r["step"] for r in rows if "train_s" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in train_steps(metric_rows(tmp_path / "stopped"))] == [1, 2, 3, 4, 5]
 
 
 def test_resume_with_a_changed_config_names_the_fields(graph, tmp_path, prompt_file):
