@@ -18,7 +18,8 @@ from trainer.config import PromptSource, SamplerSettings, TrainerConfig, load_tr
 from trainer.learner import Learner
 from trainer.loop import stale_rows
 from trainer.prompts import captions, make_requests, probe_clean_latents
-from trainer.updates import UPDATES, build_batch
+from trainer.rollout_batch import build_batch
+from trainer.updates import UPDATES
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def sampled_batch(learner, engine, prompts, settings, group: int, seed: int, ver
     from contract import RewardReport, RolloutOutput
     from rollout.engine_api import EngineRequest
     from trainer.prompts import make_requests
-    from trainer.updates import build_batch
+    from trainer.rollout_batch import build_batch
     requests = make_requests(learner.family, prompts, settings, group, seed, version)
 
     async def go():

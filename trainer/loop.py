@@ -35,7 +35,7 @@ from trainer.prompts import captions, make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
 from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, generator_state,
                                set_generator_state)
-from trainer.updates import build_batch, canonical_media
+from trainer.rollout_batch import build_batch, canonical_media
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).

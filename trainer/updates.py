@@ -1,7 +1,7 @@
 """One optimizer step per algorithm on a batch of rollouts (the glue between the graph's outputs
 and the pure losses in trainer/algorithms).
 
-    batch = build_batch(learner, prompts, outputs, sampling)
+    batch = build_batch(learner, prompts, outputs, sampling)        # trainer/rollout_batch.py
     metrics = UPDATES[Algorithm.NFT](learner, batch, cfg, generator)
     # = run_update(learner, plan_update(Algorithm.NFT, batch, cfg, generator), cfg)
 
@@ -15,177 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import torch
 
-from contract import (Algorithm, Condition, InvalidRequestError, MediaRole, PromptBundle,
-                      RolloutOutput, RolloutRequest, SamplingSpec, normalize_media,
-                      Trajectory)
+from contract import Algorithm, InvalidRequestError
 from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
                                 flow_grpo_loss, group_advantages, nft_loss,
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 trainable_step_indices, transition_kl, velocity_kl,
                                 zero_advantage_groups, KLTarget)
-from diffusion.step import doubles_rows
 from trainer.config import TrainerConfig
-from trainer.learner import Learner, state_from_latents
+from trainer.learner import Learner
 from trainer.lora import PolicyRole
+from trainer.rollout_batch import Batch
 from trainer.train_noise import Draw, pair_sigmas, row_randn, row_timesteps
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Rollouts of one step, flattened to rows."""
-
-    x0: torch.Tensor                   # (B, *S) final clean sampler state
-    rewards: torch.Tensor              # (B,) total reward
-    group_ids: tuple[str, ...]         # B prompt/request ids
-    cond: Condition                    # B rows: the trainer-side condition of each row
-    trajectory: Trajectory | None      # all rows, when they share one window; else None
-    versions: tuple[str, ...]          # B policy versions the rows were sampled with
-    scores: dict[str, list[float]]     # '<scorer>/<score>' -> values of OK rows
-    sampling: SamplingSpec             # of the first request (all share the settings)
-    # per-scorer values that entered the total, (B,) each, NaN where MISSING; and their weights
-    reward_values: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)
-    # rows sharing one SDE window (Flow-GRPO-Fast draws one per prompt group): (rows (R,), the
-    # rows' trajectories concatenated); empty for ODE rollouts
-    window_groups: tuple[tuple[torch.Tensor, Trajectory], ...] = ()
-    uncond: Condition | None = None    # B rows of CFG's unconditional branch; None without CFG
-    inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the forward's
-    # per-request inputs (condition media, position ids), (B, ...) each, as the rollout had them
-    seeds: tuple[int, ...] = ()        # B rollout seeds: each row's training draws derive from it
-    frozen_mask: torch.Tensor | None = None   # (1, *S) bool: condition entries the rollout held
-    # (clean) at every step -- held in the trainer's noised inputs too; None = none
-    sigmas: torch.Tensor | None = None  # (N+1,) the rollouts' sigma table (conditions may
-    # change it, e.g. LTX-2's keyframe tokens); None = family.sigmas(sampling)
-
-    @property
-    def rows(self) -> int:
-        return int(self.x0.shape[0])
-
-    def select(self, index: torch.Tensor) -> "Batch":
-        """The rows `index` (ascending int64), every per-row field with them."""
-        position = torch.full((self.rows,), -1, dtype=torch.long)
-        position[index] = torch.arange(index.shape[0])
-        groups = []
-        for rows, traj in self.window_groups:
-            keep = position[rows] >= 0
-            if keep.any():
-                groups.append((position[rows][keep], _traj_rows(traj, keep)))
-        groups = tuple(groups)
-        whole = groups[0][1] if len(groups) == 1 else None
-        return dataclasses.replace(
-            self, x0=self.x0[index], rewards=self.rewards[index],
-            group_ids=tuple(self.group_ids[i] for i in index.tolist()),
-            cond=self.cond.index_select(index), trajectory=whole,
-            uncond=None if self.uncond is None else self.uncond.index_select(index),
-            inputs={k: v[index] for k, v in self.inputs.items()},
-            versions=tuple(self.versions[i] for i in index.tolist()),
-            reward_values={k: v[index] for k, v in self.reward_values.items()},
-            window_groups=groups, seeds=tuple(self.seeds[i] for i in index.tolist()))
-
-
-def _traj_rows(traj: Trajectory, keep: torch.Tensor) -> Trajectory:
-    return dataclasses.replace(traj, latents=traj.latents[keep], log_probs=traj.log_probs[keep],
-                               seeds=tuple(s for s, k in zip(traj.seeds, keep.tolist()) if k))
-
-
-def _cat_trajectories(trajs: Sequence[Trajectory]) -> Trajectory | None:
-    if any(t is None for t in trajs):
-        return None
-    head = trajs[0]
-    for t in trajs[1:]:
-        if t.window != head.window or not torch.equal(t.sigmas, head.sigmas):
-            raise InvalidRequestError("rollouts of one batch use different windows/schedules",
-                                      field="trajectory.window", expected=head.window,
-                                      actual=t.window)
-    return Trajectory(latents=torch.cat([t.latents for t in trajs]), sigmas=head.sigmas,
-                      model_timesteps=head.model_timesteps,
-                      log_probs=torch.cat([t.log_probs for t in trajs]), window=head.window,
-                      sampler=head.sampler, noise_level=head.noise_level,
-                      guidance_scale=head.guidance_scale,
-                      seeds=tuple(s for t in trajs for s in t.seeds),
-                      policy_version=head.policy_version,
-                      frozen_mask=_one_mask([t.frozen_mask for t in trajs]))
-
-
-def _one_mask(masks: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The condition mask (1, *S) rows of one batch share, or None when none has one."""
-    if all(m is None for m in masks):
-        return None
-    head = masks[0]
-    if any(m is None or m.shape[1:] != head.shape[1:] or not bool((m == head[:1]).all())
-           for m in masks):
-        raise InvalidRequestError("rollouts of one batch hold different condition entries",
-                                  field="trajectory.frozen_mask")
-    return head[:1]
-
-
-def _window_groups(trajs: Sequence[Trajectory | None], repeats: Sequence[int]
-                   ) -> tuple[tuple[torch.Tensor, Trajectory], ...]:
-    """Rows grouped by their SDE window (first-seen order), trajectories concatenated."""
-    if any(t is None for t in trajs):
-        return ()
-    starts = [sum(repeats[:i]) for i in range(len(repeats))]
-    by_window: dict[tuple[int, int], list[int]] = {}
-    for i, t in enumerate(trajs):
-        by_window.setdefault(tuple(t.window), []).append(i)
-    return tuple((torch.cat([torch.arange(starts[i], starts[i] + repeats[i]) for i in members]),
-                  _cat_trajectories([trajs[i] for i in members]))
-                 for members in by_window.values())
-
-
-def canonical_media(requests: Sequence[RolloutRequest]) -> list[dict[MediaRole, torch.Tensor]]:
-    """Each request's condition media under their canonical roles (as the graph reads them)."""
-    return [{role: item.data for role, item in
-             normalize_media(r.media, r.task, r.request_id).items()} for r in requests]
-
-
-def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
-                outputs: Sequence[RolloutOutput], samplings: Sequence[SamplingSpec],
-                media: Sequence[Mapping[MediaRole, torch.Tensor] | None] | None = None) -> Batch:
-    """Flatten RolloutOutputs (one per prompt) into rows; the condition is re-encoded by the
-    trainer from the same PromptBundles that were sent, the per-request forward inputs from
-    the same condition media (`media[i]`, canonical roles) and sampling sizes."""
-    family = learner.family
-    states, rewards, groups, versions = [], [], [], []
-    scores: dict[str, list[float]] = {}
-    per_scorer: dict[str, list[float]] = {}
-    conditions = learner.media_conditions(samplings, media)
-    for out, sampling, condition in zip(outputs, samplings, conditions):
-        if out.rewards is None:
-            raise InvalidRequestError("rollout came back without rewards (no scorer configured)",
-                                      field="rewards", request_id=out.request_id)
-        latents = {n: a.data for n, a in out.artifacts.items() if a.spec.representation.value
-                   == "latent"}
-        states.append(family.codec.condition_state(state_from_latents(family, latents, sampling),
-                                                   sampling, condition))
-        rewards.extend(out.rewards.total)
-        groups.extend([out.request_id] * len(out.seeds))
-        versions.extend([out.policy_version] * len(out.seeds))
-        for name, so in out.rewards.by_scorer.items():
-            for key, values in so.scores.items():
-                scores.setdefault(f"{name}/{key}", []).extend(v for v in values if v is not None)
-        for name, vals in out.rewards.values.items():
-            per_scorer.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
-    repeats = [len(o.seeds) for o in outputs]
-    cond = learner.encode(prompts).repeat_rows(repeats)
-    uncond = None        # CFG rollouts: each row's unconditional branch, as the graph formed it
-    if doubles_rows(family.spec.guidance, samplings[0].guidance_scale):
-        uncond = learner.uncond(prompts).repeat_rows(repeats)
-    windows = _window_groups([o.trajectory for o in outputs], repeats)
-    weights = dict(outputs[0].rewards.weights)
-    return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
-                 cond, windows[0][1] if len(windows) == 1 else None, tuple(versions),
-                 scores, samplings[0],
-                 {k: torch.tensor(v, dtype=torch.float64) for k, v in per_scorer.items()},
-                 weights, windows, uncond,
-                 learner.forward_inputs(samplings, media, repeats, conditions),
-                 tuple(s for o in outputs for s in o.seeds),
-                 _one_mask([None if c.frozen is None else c.frozen.mask for c in conditions]),
-                 family.request_sigmas(samplings[0], conditions[0]))
 
 
 def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
