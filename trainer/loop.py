@@ -23,18 +23,18 @@ from adapters.registry import get_family
 from contract import (Algorithm, PolicyKind, PromptBundle, RolloutError, RolloutOutput,
                       RolloutRequest, SamplerKind)
 from deployments.client import RolloutClient
-from trainer import checks, gallery
+from trainer import checks
 from trainer.algorithms import old_decay
+from trainer.checkpointing import TrainerCheckpoints
 from trainer.config import PipelineMode, TrainerConfig
 from trainer.distributed import build_learners, controller_settings
+from trainer.evaluation import TrainerEvaluation
 from trainer.learner import Learner
-from trainer.logs import (MetricsLogger, WandbRun, load_checkpoint, plot_reward_curve,
-                          save_checkpoint)
+from trainer.logs import MetricsLogger, WandbRun, plot_reward_curve
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
-from trainer.prompts import captions, make_requests, probe_clean_latents
+from trainer.prompts import make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
-from trainer.run_state import (PolicyEMA, PromptFeed, check_resume_config, generator_state,
-                               set_generator_state)
+from trainer.run_state import PolicyEMA, PromptFeed
 from trainer.rollout_batch import build_batch, canonical_media
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
@@ -62,7 +62,10 @@ def stale_rows(versions: Sequence[str], published: Sequence[str], max_staleness:
     return [v not in index or latest - index[v] > max_staleness for v in versions]
 
 
-class Trainer:
+class Trainer(TrainerEvaluation, TrainerCheckpoints):
+    """The training loop (this module's docstring); evaluation is trainer/evaluation.py,
+    checkpoints and resume trainer/checkpointing.py."""
+
     def __init__(self, cfg: TrainerConfig, client: RolloutClient | None = None,
                  progress: bool = False):
         torch.set_num_threads(1)
@@ -120,15 +123,6 @@ class Trainer:
                                    *self.learner.export_packed(TRAIN_ADAPTER))
         return version
 
-    def eval_version(self) -> str:
-        """The evaluated policy: the EMA of the trained adapter when enabled, else the current."""
-        if self.ema is None:
-            return self.current_version()
-        current, scale = self.learner.export(TRAIN_ADAPTER)
-        if self.ema.tensors is None:
-            self.ema.update(self.step, current)
-        return self.publisher.publish(f"ema-{self.step}", self.step, self.ema.tensors, scale)[0]
-
     # ---- rollouts ------------------------------------------------------------------------------
     def submit(self, k: int, version: str | None = None) -> Pending:
         """Step k's rollouts with the latest sampling version (or `version`); the prompts come
@@ -165,50 +159,6 @@ class Trainer:
         """Synchronous rollout with the same retry rule as `collect`."""
         return self.collect(Pending(self.step, [], requests, self.client.submit(requests),
                                     time.perf_counter()))[0]
-
-    def evaluate(self) -> dict[str, float]:
-        """Held-out prompts, ODE, fixed seeds, the current adapter; graph-scored rewards."""
-        t0 = time.perf_counter()
-        e = self.cfg.eval
-        extra_metadata, extra_media = self.feed.eval_extras()
-        requests = make_requests(self.family, self.eval_prompts, self.cfg.sampler,
-                                 e.samples_per_prompt, seed=e.seed,
-                                 version=self.eval_version(), sampler=SamplerKind.ODE,
-                                 num_steps=e.num_steps, metadata=extra_metadata,
-                                 media=extra_media, task=self.cfg.task)
-        outputs = self.rollout(requests)
-        totals = [r for o in outputs for r in o.rewards.total]
-        out = {"eval_reward_mean": sum(totals) / len(totals)}
-        for name, so in outputs[0].rewards.by_scorer.items():
-            for key in so.scores:
-                vals = [v for o in outputs for v in o.rewards.by_scorer[name].scores[key]
-                        if v is not None]
-                out[f"eval_{name}/{key}_mean"] = sum(vals) / max(len(vals), 1)
-        if self.cfg.gallery:
-            path = gallery.record(self.run_dir, self.family, self.step, outputs,
-                                  prompts=[b.text or "" for b in self.eval_prompts])
-            self.log_gallery(path, outputs)
-        out["eval_s"] = time.perf_counter() - t0
-        return out
-
-    def log_gallery(self, path: Path, outputs: list[RolloutOutput]) -> None:
-        """The gallery's captioned grid (images) or clips with audio to W&B, with their prompt,
-        rewards and step, every `wandb.media_every` evaluations."""
-        self.evaluations += 1
-        run = self.logger.wandb
-        if run is None or (self.evaluations - 1) % self.cfg.wandb.media_every:
-            return
-        if path.suffix == ".png":
-            run.log_media(self.step, images=[(path, f"step {self.step} (left: step 0); rows: "
-                                                   "held-out prompts, captions: rewards")])
-            return
-        captions = gallery.sample_captions(outputs)
-        group = len(outputs[0].seeds)
-        tag = "step0" if self.step == 0 else "now"
-        clips = [(path / f"{tag}_prompt{i}.mp4",
-                  f"step {self.step} | {self.eval_prompts[i].text} | {captions[i * group]}")
-                 for i in range(len(outputs)) if (path / f"{tag}_prompt{i}.mp4").is_file()]
-        run.log_media(self.step, videos=clips)
 
     # ---- start-up checks -----------------------------------------------------------------------
     def startup_checks(self) -> dict[str, float]:
@@ -360,61 +310,6 @@ class Trainer:
         self.logger.close()
         return self.history
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, pending: Pending | None = None) -> Path:
-        """Everything the next steps depend on (run_state.py): adapters, optimizer, generator,
-        the prompt position and sampling version of the in-flight batch `pending`, the EMA."""
-        tensors = {TRAIN_ADAPTER: self.learner.export(TRAIN_ADAPTER)[0],
-                   OLD_ADAPTER: self.learner.export(OLD_ADAPTER)[0]}
-        if pending is not None:
-            tensors["pending"] = self.publisher.tensors_of(pending.requests[0].policy_version)
-        if self.ema is not None and self.ema.tensors is not None:
-            tensors["ema"] = self.ema.tensors
-        data_state = (pending.data_state if pending is not None else
-                      None if self.feed.data is None else self.feed.data.state())
-        return save_checkpoint(self.run_dir, self.step, tensors, self.learners.optimizer_state(), {
-            "sampling_versions": self.sampling_versions, "algorithm": self.cfg.algorithm.value,
-            "dropped_stale_rows": self.dropped_stale_rows,
-            "rollout_retries": self.rollout_retries, "generator": generator_state(self.gen),
-            "data_state": data_state,
-            "ema_updates": None if self.ema is None else self.ema.updates,
-            "config": self.cfg.model_dump(mode="json")})
-
-    def resume(self) -> None:
-        """Restore the latest checkpoint; a config that differs from the checkpoint's (beyond
-        run length and outputs) is refused, naming the fields."""
-        tensors, optimizer, state = load_checkpoint(self.run_dir)
-        if "config" in state:
-            check_resume_config(state["config"], self.cfg)
-        for name in (TRAIN_ADAPTER, OLD_ADAPTER):
-            self.learner.load_adapter(name, tensors[name])
-        self.learners.load_state({name: tensors[name] for name in (TRAIN_ADAPTER, OLD_ADAPTER)},
-                                 optimizer)             # the worker group's learners too
-        self.step = int(state["step"])
-        self.dropped_stale_rows = int(state.get("dropped_stale_rows", 0))
-        self.rollout_retries = int(state.get("rollout_retries", 0))
-        if "generator" in state:
-            set_generator_state(self.gen, state["generator"])
-        if self.feed.data is not None:
-            self.feed.restore(state.get("data_state"))
-        if self.ema is not None and "ema" in tensors:
-            self.ema.tensors = {k: v.clone() for k, v in tensors["ema"].items()}
-            self.ema.updates = int(state.get("ema_updates") or 0)
-        self._resume_pending = tensors.get("pending")
-
-    def publish_resumed(self) -> str | None:
-        """On resume: the in-flight batch's sampling version, published before the current one
-        (as the uninterrupted run had it) when it differs; returns it, or None."""
-        saved, self._resume_pending = self._resume_pending, None
-        if saved is None:
-            return None
-        role = OLD_ADAPTER if self.samples_with_old else TRAIN_ADAPTER
-        current, scale = self.learner.export(role)
-        if set(saved) == set(current) and all(torch.equal(saved[k], current[k]) for k in saved):
-            return None
-        version, _ = self.publisher.publish(f"inflight-{self.step}", self.step, saved, scale)
-        self.sampling_versions.append(version)
-        return version
 
 
 def _mean(values) -> float:
