@@ -15,7 +15,8 @@ import torch
 
 import diffusers
 from diffusers import DiffusionPipeline
-from scripts.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, VOCAB_SIZE, Family, build, main
+from scripts.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, Family, build, main
+from scripts.tiny_families import VOCAB_SIZE
 
 FAMILIES = [f.value for f in Family]
 PROMPT = "a robot dancing in the rain"
