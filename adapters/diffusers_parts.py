@@ -136,6 +136,11 @@ FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 class FlowSchedule:
     """The checkpoint's FlowMatchEulerDiscreteScheduler, used only to compute sigma tables."""
 
+    # calculate_shift's defaults where the scheduler config leaves a key out (the pipeline's
+    # own: SD3 / FLUX / Wan; a family whose pipeline uses others overrides them)
+    shift_defaults = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5,
+                      "max_shift": 1.15}
+
     def __init__(self, root: Path, config: Mapping | None = None):
         """`config`: a FlowMatchEulerDiscreteScheduler config a family derived from the
         checkpoint's own (Wan from a UniPC config), instead of scheduler_config.json."""
@@ -153,9 +158,9 @@ class FlowSchedule:
 
     def mu(self, image_seq_len: int) -> float:
         """Resolution-dependent shift (the pipelines' calculate_shift: linear in seq length)."""
-        c = self.config
-        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-        base_shift, max_shift = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+        c = {key: self.config.get(key, default) for key, default in self.shift_defaults.items()}
+        base_len, max_len = c["base_image_seq_len"], c["max_image_seq_len"]
+        base_shift, max_shift = c["base_shift"], c["max_shift"]
         m = (max_shift - base_shift) / (max_len - base_len)
         return image_seq_len * m + (base_shift - m * base_len)
 

@@ -98,12 +98,8 @@ class LTX2Options(BaseModel):
 class LTX2Schedule(FlowSchedule):
     """The checkpoint's scheduler with LTX2Pipeline's calculate_shift defaults."""
 
-    def mu(self, image_seq_len: int) -> float:
-        c = self.config
-        base_len, max_len = c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096)
-        base_shift, max_shift = c.get("base_shift", 0.95), c.get("max_shift", 2.05)
-        m = (max_shift - base_shift) / (max_len - base_len)
-        return image_seq_len * m + (base_shift - m * base_len)
+    shift_defaults = {"base_image_seq_len": 1024, "max_image_seq_len": 4096, "base_shift": 0.95,
+                      "max_shift": 2.05}
 
 
 class LTX2Denoiser:
