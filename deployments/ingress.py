@@ -14,35 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import os
 import time
 from typing import Any, Mapping, Sequence
 
 import ray
 import torch
-from pydantic import ValidationError
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError,
-                            RayTaskError)
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 from ray.serve.exceptions import RayServeException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from adapters.registry import get_family
-from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
-                      Modality, PromptBundle, ReplicaFailedError, Representation, RewardReport,
-                      RolloutError, RolloutRequest, SamplingSpec, ScorerFailedError,
-                      StageUnavailableError,
-                      ScorerOutput, StageOutput, UnscorableInputError, check_requested_artifacts)
-from contract.http import HTTPRolloutRequest, parse_rollout_body
+from contract import (GraphResult, InvalidRequestError, LimitExceededError, Modality,
+                      ReplicaFailedError, Representation, RewardReport, RolloutError,
+                      RolloutRequest, ScorerFailedError, ScorerOutput, StageOutput,
+                      StageUnavailableError, UnscorableInputError, check_requested_artifacts)
 from deployments.config import GraphConfig
-from diffusion.step import doubles_rows
+from deployments.http import HTTPFront, stage_error
 from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
 from deployments.objects import get_object_holder, holder_name
+from diffusion.step import doubles_rows
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
-
-logger = logging.getLogger("ray.serve")
 
 # A stage replica died mid-call, or an object it owned (a rollout's latents) died with it.
 _REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, ObjectLostError)
@@ -75,7 +67,7 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-class RolloutGraph:
+class RolloutGraph(HTTPFront):
     def __init__(self, config: GraphConfig, encoder, rollout, decoders: Mapping[str, Any],
                  scorers: Mapping[str, Any]):
         self.memory_guard = guard_replica_memory("RolloutGraph")
@@ -100,10 +92,12 @@ class RolloutGraph:
                       preview: bool = False) -> list[GraphResult]:
         batch = self._batch(requests)
         checked = [self._validate(r) for r in batch]        # every request, before any stage
+        t0 = time.perf_counter()
         await self._check_prompts(batch)
+        check_s = time.perf_counter() - t0
         rows = sum(r.sampling.samples_per_prompt for r in batch)
         with self.metrics.track(rows):
-            return list(await asyncio.gather(*(self._one(r, names, media, preview)
+            return list(await asyncio.gather(*(self._one(r, names, media, preview, check_s)
                                                for r, (names, media) in zip(batch, checked))))
 
     async def release(self, request_ids: Sequence[str]) -> int:
@@ -183,7 +177,7 @@ class RolloutGraph:
                    else await self._taken(stage, response, request_id))
             return await self._await_small(ref)
         except RolloutError as exc:
-            raise _with_request_id(_cause(exc), request_id) from None
+            raise _with_request_id(stage_error(exc), request_id) from None
 
     def _validate(self, request: RolloutRequest) -> tuple[tuple[str, ...], dict]:
         """Fail fast, before any stage runs: (requested artifact names, condition media)."""
@@ -224,7 +218,7 @@ class RolloutGraph:
         is a retryable 503; anything else -- a timeout, generated media it cannot read, its own
         bug -- is the server's ScorerFailedError (502). `checked`: raised by the scorer stage's
         prompt check, whose error already names the scorer, the prompt and its request."""
-        cause = _cause(exc)
+        cause = stage_error(exc)
         if isinstance(cause, RolloutError) and cause.retryable:   # unavailable: retry later
             raise _with_request_id(cause, request_id) from None
         if isinstance(cause, UnscorableInputError):
@@ -243,8 +237,12 @@ class RolloutGraph:
         raise ScorerFailedError(reason, field=f"rewards.{name}", request_id=request_id)
 
     async def _one(self, request: RolloutRequest, requested: tuple[str, ...], media: dict,
-                   preview: bool) -> GraphResult:
+                   preview: bool, check_s: float = 0.0) -> GraphResult:
+        """One request through the stages. Its metrics add the ingress's wall seconds per hop
+        (`ingress_*_s`: prompt check, encode + rollout, decoders, scorers, release) beside the
+        stages' own compute seconds, so the graph's fixed cost per request is their difference."""
         rid = request.request_id
+        t_start = time.perf_counter()
         cond = await self._taken("encoder", self.encoder.encode.remote([request.prompt]), rid)
         negative = None
         if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
@@ -258,6 +256,7 @@ class RolloutGraph:
             if replica_died(exc):        # the rollout replica (or the encoder upstream) died
                 raise replica_failed("rollout", exc, rid) from exc
             raise
+        t_rollout = time.perf_counter()
         decoded_by_latent = self._decoded_plan(requested)
         # previewed video with decoded audio: its decoder muxes an MP4 once the audio is decoded
         muxed = self._muxed_video(decoded_by_latent) if preview else {}
@@ -284,13 +283,20 @@ class RolloutGraph:
             previews.update({n: p for n, p in out.previews.items() if n in requested})
         t_score = time.perf_counter()
         rewards = await self._score(request, refs, media)
+        t_release = time.perf_counter()
         internal = {*stage.artifacts, *(n for o in outs.values() for n in o.artifacts)} - \
             set(requested)            # read by the graph's own stages only, all of them done
         if internal:
             await self.objects.release.remote([rid], sorted(internal))
+        t_end = time.perf_counter()
         metrics = dict(stage.metrics)
+        for out in outs.values():     # the decoders' own compute seconds
+            metrics.update(out.metrics)
         if rewards is not None:       # wall time from decoded media to the combined rewards
-            metrics["score_s"] = time.perf_counter() - t_score
+            metrics["score_s"] = t_release - t_score
+        metrics.update(ingress_check_s=check_s, ingress_rollout_s=t_rollout - t_start,
+                       ingress_decode_s=t_score - t_rollout, ingress_release_s=t_end - t_release,
+                       ingress_total_s=t_end - t_start + check_s)
         return GraphResult(request_id=rid, artifacts=artifacts,
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
@@ -360,97 +366,6 @@ class RolloutGraph:
         return self.combiner(outputs, self._primaries)
 
     # ---------------------------------------------------------------- HTTP API
-    async def __call__(self, http: Request) -> JSONResponse:
-        """Every answer is JSON: results, or an error object with the status its type maps to;
-        an unexpected failure is logged and answered 500 with an error object, never bare.
-        `Server-Timing: ingress;dur=<ms>` tells how long the ingress took."""
-        start = time.perf_counter()
-        try:
-            response = await self._http(http)
-        except Exception:  # noqa: BLE001 -- the one place an unexpected error becomes a 500
-            logger.exception("RolloutGraph failed answering %s %s", http.method, http.url.path)
-            response = _error(500, "InternalError", None, "the ingress failed; see its log")
-        response.headers["Server-Timing"] = f"ingress;dur={(time.perf_counter() - start) * 1e3:.3f}"
-        return response
-
-    async def _http(self, http: Request) -> JSONResponse:
-        path = http.url.path.rstrip("/").rsplit("/", 1)[-1]
-        if http.method == "GET" and path == "healthz":
-            return JSONResponse({"status": "ok", "adapter": self.config.adapter})
-        if http.method != "POST" or path != "rollout":
-            return _error(404, "NotFound", "path", f"{http.method} {http.url.path} is not served")
-        try:
-            payload = parse_rollout_body(await self._read_body(http), self.config.limits)
-            requests = self._from_http(payload)
-            results = await self.rollout(requests, preview=payload.include_media)
-            answer = JSONResponse({"results": [_result_json(p, r) for p, r in
-                                               zip(payload.prompts, results)]})
-            await self.release([r.request_id for r in results])    # no tensor leaves by HTTP
-            return answer
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])
-        except RolloutError as exc:
-            error = _cause(exc)
-            return JSONResponse(error.to_dict(), status_code=error.http_status)
-
-    async def _read_body(self, http: Request) -> bytearray:
-        """The body, refused as soon as it passes max_body_bytes (by its Content-Length, or while
-        it streams in), so an oversized body is never held whole; one buffer, no joined copy."""
-        bound = self.config.limits.max_body_bytes
-        declared = http.headers.get("content-length")
-        if declared is not None and not declared.strip().isdecimal():
-            raise MalformedBodyError("Content-Length is not a byte count", field="content-length",
-                                     actual=declared[:40])
-        if declared is not None and int(declared) > bound:
-            raise LimitExceededError("request body too large", field="body",
-                                     expected=f"<= {bound} bytes", actual=int(declared))
-        body = bytearray()
-        async for chunk in http.stream():
-            if len(body) + len(chunk) > bound:
-                raise LimitExceededError("request body too large", field="body",
-                                         expected=f"<= {bound} bytes", actual=f"> {bound}")
-            body += chunk
-        return body
-
-    def _from_http(self, payload: HTTPRolloutRequest) -> list[RolloutRequest]:
-        """Sizes are already bounded (parse_rollout_body); the task is checked before the
-        prompts are tokenized, the rest by `rollout` before any stage."""
-        defaults = dict(self.family.spec.sampling_defaults)
-        task = payload.task or next(iter(self.family.spec.tasks))
-        if task not in self.family.spec.tasks:
-            raise InvalidRequestError(f"adapter {self.family.name} does not serve this task",
-                                      field="task", expected=[t.value for t in self.family.spec.tasks],
-                                      actual=task.value)
-        if self.family.spec.tasks[task]:
-            raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
-                                      "request cannot carry (use the handle API)", field="media",
-                                      expected=sorted(r.value for r in self.family.spec.tasks[task]),
-                                      actual=[])
-        bundles = self.family.conditioner.tokenize(payload.prompts, payload.negative_prompts)
-        n = payload.samples_per_prompt
-        out = []
-        for i, bundle in enumerate(bundles):
-            sampling = SamplingSpec(
-                sampler=payload.sampler, num_steps=payload.num_steps,
-                noise_level=payload.noise_level, sde_window=payload.sde_window,
-                guidance_scale=payload.guidance_scale,
-                seeds=tuple(payload.seed + i * n + j for j in range(n)),
-                height=payload.height or defaults.get("height", 32),
-                width=payload.width or defaults.get("width", 32),
-                num_frames=payload.num_frames or defaults.get("num_frames", 1))
-            out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
-                                      requested_artifacts=payload.artifacts,
-                                      policy_version=payload.policy_version,
-                                      metadata=dict(payload.metadata[i]) if payload.metadata
-                                      else {}))
-        return out
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """A stage's own exception inside Ray's RayTaskError wrapper (so its type names it)."""
-    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
-    return cause if isinstance(cause, BaseException) else exc
 
 
 def _with_request_id(exc: BaseException, request_id: str) -> BaseException:
@@ -460,34 +375,3 @@ def _with_request_id(exc: BaseException, request_id: str) -> BaseException:
         return type(exc)(exc.message, field=exc.field, expected=exc.expected,
                          actual=exc.actual, request_id=request_id)
     return exc
-
-
-def _loc(loc: Sequence[Any]) -> str:
-    """('prompts', 0) -> 'prompts[0]'."""
-    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
-                   for i, p in enumerate(loc))
-
-
-def _error(status: int, kind: str, field: str | None, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "field": field, "message": message}},
-                        status_code=status)
-
-
-def _result_json(prompt: str, result: GraphResult) -> dict[str, Any]:
-    samples = []
-    for i, seed in enumerate(result.seeds):
-        sample: dict[str, Any] = {
-            "seed": seed, "policy_version": result.policy_version,
-            "artifacts": [h.summary() | {"shape": list(h.shape[1:])}
-                          for h in result.artifacts.values()]}
-        if result.rewards is not None:
-            sample["reward"] = result.rewards.total[i]
-            sample["scores"] = {name: {k: v[i] for k, v in out.scores.items()} |
-                                {"status": out.status[i].value, "reason": out.reasons[i]} |
-                                ({"metadata": dict(out.metadata)} if out.metadata else {})
-                                for name, out in result.rewards.by_scorer.items()}
-        if result.previews:
-            sample["media"] = {name: urls[i] for name, urls in result.previews.items()}
-        samples.append(sample)
-    return {"prompt": prompt, "request_id": result.request_id,
-            "stop_reason": result.stop_reason.value, "samples": samples}

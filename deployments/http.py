@@ -1,0 +1,151 @@
+"""The graph's HTTP face: POST /rollout and GET /healthz on the RolloutGraph ingress.
+
+Bodies are read bounded (refused once past max_body_bytes, never held whole), parsed and bounded
+by contract/http.py before anything proportional to them is built, turned into the same
+RolloutRequests the handle API takes and answered as JSON: results with their rewards and (when
+asked) base64 previews, or a typed error object with the status its type maps to -- never a bare
+500. No tensor leaves by HTTP: the request's outputs are released once the answer is built.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from pydantic import ValidationError
+from ray.exceptions import RayTaskError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
+                      RolloutError, RolloutRequest, SamplingSpec)
+from contract.http import HTTPRolloutRequest, parse_rollout_body
+
+logger = logging.getLogger("ray.serve")
+
+
+class HTTPFront:
+    """HTTP on the ingress (needs its `config`, `family`, `rollout` and `release`)."""
+
+    async def __call__(self, http: Request) -> JSONResponse:
+        """Every answer is JSON: results, or an error object with the status its type maps to;
+        an unexpected failure is logged and answered 500 with an error object, never bare.
+        `Server-Timing: ingress;dur=<ms>` tells how long the ingress took."""
+        start = time.perf_counter()
+        try:
+            response = await self._http(http)
+        except Exception:  # noqa: BLE001 -- the one place an unexpected error becomes a 500
+            logger.exception("RolloutGraph failed answering %s %s", http.method, http.url.path)
+            response = _error(500, "InternalError", None, "the ingress failed; see its log")
+        response.headers["Server-Timing"] = f"ingress;dur={(time.perf_counter() - start) * 1e3:.3f}"
+        return response
+
+    async def _http(self, http: Request) -> JSONResponse:
+        path = http.url.path.rstrip("/").rsplit("/", 1)[-1]
+        if http.method == "GET" and path == "healthz":
+            return JSONResponse({"status": "ok", "adapter": self.config.adapter})
+        if http.method != "POST" or path != "rollout":
+            return _error(404, "NotFound", "path", f"{http.method} {http.url.path} is not served")
+        try:
+            payload = parse_rollout_body(await self._read_body(http), self.config.limits)
+            requests = self._from_http(payload)
+            results = await self.rollout(requests, preview=payload.include_media)
+            answer = JSONResponse({"results": [_result_json(p, r) for p, r in
+                                               zip(payload.prompts, results)]})
+            await self.release([r.request_id for r in results])    # no tensor leaves by HTTP
+            return answer
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])
+        except RolloutError as exc:
+            error = stage_error(exc)
+            return JSONResponse(error.to_dict(), status_code=error.http_status)
+
+    async def _read_body(self, http: Request) -> bytearray:
+        """The body, refused as soon as it passes max_body_bytes (by its Content-Length, or while
+        it streams in), so an oversized body is never held whole; one buffer, no joined copy."""
+        bound = self.config.limits.max_body_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None and not declared.strip().isdecimal():
+            raise MalformedBodyError("Content-Length is not a byte count", field="content-length",
+                                     actual=declared[:40])
+        if declared is not None and int(declared) > bound:
+            raise LimitExceededError("request body too large", field="body",
+                                     expected=f"<= {bound} bytes", actual=int(declared))
+        body = bytearray()
+        async for chunk in http.stream():
+            if len(body) + len(chunk) > bound:
+                raise LimitExceededError("request body too large", field="body",
+                                         expected=f"<= {bound} bytes", actual=f"> {bound}")
+            body += chunk
+        return body
+
+    def _from_http(self, payload: HTTPRolloutRequest) -> list[RolloutRequest]:
+        """Sizes are already bounded (parse_rollout_body); the task is checked before the
+        prompts are tokenized, the rest by `rollout` before any stage."""
+        defaults = dict(self.family.spec.sampling_defaults)
+        task = payload.task or next(iter(self.family.spec.tasks))
+        if task not in self.family.spec.tasks:
+            raise InvalidRequestError(f"adapter {self.family.name} does not serve this task",
+                                      field="task", expected=[t.value for t in self.family.spec.tasks],
+                                      actual=task.value)
+        if self.family.spec.tasks[task]:
+            raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
+                                      "request cannot carry (use the handle API)", field="media",
+                                      expected=sorted(r.value for r in self.family.spec.tasks[task]),
+                                      actual=[])
+        bundles = self.family.conditioner.tokenize(payload.prompts, payload.negative_prompts)
+        n = payload.samples_per_prompt
+        out = []
+        for i, bundle in enumerate(bundles):
+            sampling = SamplingSpec(
+                sampler=payload.sampler, num_steps=payload.num_steps,
+                noise_level=payload.noise_level, sde_window=payload.sde_window,
+                guidance_scale=payload.guidance_scale,
+                seeds=tuple(payload.seed + i * n + j for j in range(n)),
+                height=payload.height or defaults.get("height", 32),
+                width=payload.width or defaults.get("width", 32),
+                num_frames=payload.num_frames or defaults.get("num_frames", 1))
+            out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
+                                      requested_artifacts=payload.artifacts,
+                                      policy_version=payload.policy_version,
+                                      metadata=dict(payload.metadata[i]) if payload.metadata
+                                      else {}))
+        return out
+
+
+def stage_error(exc: BaseException) -> BaseException:
+    """A stage's own exception inside Ray's RayTaskError wrapper (so its type names it)."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """('prompts', 0) -> 'prompts[0]'."""
+    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
+                   for i, p in enumerate(loc))
+
+
+def _error(status: int, kind: str, field: str | None, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "field": field, "message": message}},
+                        status_code=status)
+
+
+def _result_json(prompt: str, result: GraphResult) -> dict[str, Any]:
+    samples = []
+    for i, seed in enumerate(result.seeds):
+        sample: dict[str, Any] = {
+            "seed": seed, "policy_version": result.policy_version,
+            "artifacts": [h.summary() | {"shape": list(h.shape[1:])}
+                          for h in result.artifacts.values()]}
+        if result.rewards is not None:
+            sample["reward"] = result.rewards.total[i]
+            sample["scores"] = {name: {k: v[i] for k, v in out.scores.items()} |
+                                {"status": out.status[i].value, "reason": out.reasons[i]} |
+                                ({"metadata": dict(out.metadata)} if out.metadata else {})
+                                for name, out in result.rewards.by_scorer.items()}
+        if result.previews:
+            sample["media"] = {name: urls[i] for name, urls in result.previews.items()}
+        samples.append(sample)
+    return {"prompt": prompt, "request_id": result.request_id,
+            "stop_reason": result.stop_reason.value, "samples": samples}
