@@ -8,6 +8,11 @@ outputs from the object store) / median time of encoder -> strategy.generate -> 
 in this process with the classes the deployments use (TextEncoderServer, DiffusionStrategy,
 DecoderServer._decode, the registry's scorer + RewardCombiner). Both run one torch thread, as a
 replica with num_cpus < 1 does.
+fixed_cost_per_request_ms = graph median - in-process median, and `breakdown`: where it goes,
+from each result's metrics (the ingress's wall seconds per hop, `ingress_*_s`, beside the
+stages' own compute seconds inside their replicas) and the caller's handle call / fetch.
+`variants`: the same with the scorer's micro-batch wait at the old 10 ms (a lone request waited
+it out); `at_training_size`: the same deployed graph at a group of 16 x 20 steps.
 ingress_bytes = tensor bytes that passed through the ingress (its `stats()`), next to the
 bytes of the artifacts (and trajectory) delivered to the caller.
 Writes bench/results/graph.json + graph.png.
@@ -39,7 +44,7 @@ def graph_config(steps: int) -> dict:
             "rollout_stage": {"num_cpus": 0.5},
             "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
                          "inputs": ["image"], "reward": {"policy": "required"}}],
-            "limits": {"max_prompts": 4, "max_samples_per_prompt": 16, "max_steps": steps,
+            "limits": {"max_prompts": 4, "max_samples_per_prompt": 16, "max_steps": max(steps, 20),
                        "max_height": 32, "max_width": 32, "max_frames": 1},
             "policy_store": "graph_bench_store"}
 
@@ -85,6 +90,94 @@ class InProcess:
         return image, report
 
 
+HOP_KEYS = ("ingress_check_s", "ingress_rollout_s", "rollout_stage_s", "run_time_s",
+            "queue_time_s", "ingress_decode_s", "decode_image_latent_s", "score_s",
+            "ingress_release_s", "ingress_total_s")
+
+
+def _ratio(handle, local: InProcess, loop, request, iters: int) -> dict:
+    """Graph vs in-process at another request size, alternating, on the deployed graph."""
+    from deployments.client import materialize
+    graph_s, local_s = [], []
+    for i in range(iters + 1):                                     # 1 warm-up round
+        t0 = time.perf_counter()
+        [result] = handle.rollout.remote(request()).result(timeout_s=600)
+        materialize(result)
+        t1 = time.perf_counter()
+        loop.run_until_complete(local.run(request()))
+        if i:
+            graph_s.append(t1 - t0)
+            local_s.append(time.perf_counter() - t1)
+    g, l = statistics.median(graph_s), statistics.median(local_s)
+    sampling = request().sampling
+    return {"samples_per_prompt": sampling.samples_per_prompt, "num_steps": sampling.num_steps,
+            "graph_s": g, "in_process_s": l, "graph_overhead": g / l,
+            "fixed_cost_per_request_ms": (g - l) * 1e3}
+
+
+def measure(config, iters: int, request, local: InProcess, loop,
+            larger_requests: dict | None = None) -> dict:
+    """Deploy `config`; alternate graph and in-process calls of the same request; medians."""
+    from ray import serve
+
+    from deployments.client import materialize
+    from deployments.ingress import tensor_bytes
+    from graph import build_app
+    t_deploy = time.perf_counter()
+    handle = serve.run(build_app(config), name=APP, route_prefix=None)
+    deploy_s = time.perf_counter() - t_deploy
+    graph_s, local_s, call_s, delivered = [], [], [], []
+    hops: dict[str, list[float]] = {k: [] for k in HOP_KEYS}
+    try:
+        for i in range(iters + 2):                                # 2 warm-up rounds
+            t0 = time.perf_counter()
+            [result] = handle.rollout.remote(request()).result(timeout_s=300)
+            t_call = time.perf_counter() - t0
+            out = materialize(result)
+            dt_graph = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            image, report = loop.run_until_complete(local.run(request()))
+            dt_local = time.perf_counter() - t0
+            assert out.artifacts["image"].data.shape == image.data.shape
+            assert len(out.rewards.total) == len(report.total) == len(image.data)
+            if i >= 2:
+                graph_s.append(dt_graph)
+                local_s.append(dt_local)
+                call_s.append(t_call)
+                delivered.append(tensor_bytes(out.artifacts) + tensor_bytes(out.trajectory))
+                for k in HOP_KEYS:
+                    hops[k].append(out.metrics[k])
+        ingress = handle.stats.remote().result()
+        stage_s = {k: list(v) for k, v in local.stage_s.items()}
+        larger = {name: _ratio(handle, local, loop, make, iters // 2)
+                  for name, make in (larger_requests or {}).items()}
+        local.stage_s = stage_s
+    finally:
+        serve.delete(APP)
+    g, l = statistics.median(graph_s), statistics.median(local_s)
+    med = {k: statistics.median(v) for k, v in hops.items()}
+    stage_compute = (med["run_time_s"] + med["decode_image_latent_s"])
+    return {"deploy_s": round(deploy_s, 2), "larger_requests": larger,
+            "graph_s": {"median": g, "min": min(graph_s), "max": max(graph_s)},
+            "in_process_s": {"median": l, "min": min(local_s), "max": max(local_s)},
+            "graph_overhead": g / l, "graph_minus_in_process_ms": (g - l) * 1e3,
+            # where a graph call's time goes, medians in ms: the ingress's wall per hop and
+            # the stages' own compute inside their replicas; the caller's handle call (until
+            # the GraphResult arrives) and its fetch of the tensors from the object store
+            "hops_ms": {k: v * 1e3 for k, v in med.items()},
+            "caller_handle_call_ms": statistics.median(call_s) * 1e3,
+            "caller_fetch_ms": (g - statistics.median(call_s)) * 1e3,
+            "handle_call_outside_ingress_ms": (statistics.median(call_s)
+                                               - med["ingress_total_s"]) * 1e3,
+            "rollout_hop_outside_engine_ms": (med["ingress_rollout_s"] - med["run_time_s"])
+            * 1e3,
+            "decode_hop_outside_decoder_ms": (med["ingress_decode_s"]
+                                              - med["decode_image_latent_s"]) * 1e3,
+            "stage_compute_ms": stage_compute * 1e3,
+            "ingress_bytes": ingress["ingress_tensor_bytes"],
+            "delivered_bytes_per_call": statistics.median(delivered)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=8)
@@ -98,79 +191,67 @@ def main(argv: list[str] | None = None) -> int:
 
     from adapters.registry import get_family
     from contract import RolloutRequest, SamplingSpec, Task
-    from deployments.client import materialize
     from deployments.config import load_graph_config
-    from deployments.ingress import tensor_bytes
-    from graph import build_app
 
-    config = load_graph_config(graph_config(args.steps))
     family = get_family("tiny_t2i")
     bundle = family.conditioner.tokenize([PROMPT])[0]
 
-    def request() -> RolloutRequest:
+    def request(samples: int = args.samples, steps: int = args.steps) -> RolloutRequest:
         return RolloutRequest(prompt=bundle, task=Task.T2I, requested_artifacts=(
             "image_latent", "image"), sampling=SamplingSpec(
-                num_steps=args.steps, seeds=tuple(range(args.samples))))
+                num_steps=steps, seeds=tuple(range(samples))))
 
+    default = load_graph_config(graph_config(args.steps))
+    variants = {"default": default}
+    # the scorer stage's micro-batch wait as it was (10 ms): one request alone waited it out
+    old = graph_config(args.steps)
+    old["scorers"][0]["batch_wait_timeout_s"] = 0.01
+    variants["scorer_batch_wait_10ms"] = load_graph_config(old)
     ray.init(address="local", num_cpus=8, object_store_memory=256 * 2**20,
              include_dashboard=False, log_to_driver=False, namespace="omni-bench")
     serve.start(proxy_location="Disabled")
-    t_deploy = time.perf_counter()
-    handle = serve.run(build_app(config), name=APP, route_prefix=None)
-    deploy_s = time.perf_counter() - t_deploy
-    local = InProcess(config)
+    local = InProcess(default)
     loop = asyncio.new_event_loop()
-
-    graph_s, local_s, delivered, replica_run_s = [], [], [], []
+    runs = {}
     try:
-        for i in range(args.iters + 2):                         # 2 warm-up rounds
-            t0 = time.perf_counter()
-            [result] = handle.rollout.remote(request()).result(timeout_s=300)
-            out = materialize(result)
-            dt_graph = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            image, report = loop.run_until_complete(local.run(request()))
-            dt_local = time.perf_counter() - t0
-            assert out.artifacts["image"].data.shape == image.data.shape
-            assert len(out.rewards.total) == len(report.total) == args.samples
-            if i >= 2:
-                graph_s.append(dt_graph)
-                local_s.append(dt_local)
-                delivered.append(tensor_bytes(out.artifacts) + tensor_bytes(out.trajectory))
-                replica_run_s.append(out.metrics["run_time_s"])      # engine loop, in replica
-        ingress = handle.stats.remote().result()
+        for name, config in variants.items():
+            # the same fixed cost against a training-sized request (a group of 16, 20 steps)
+            larger = {"16x20": lambda: request(16, 20)} if name == "default" else None
+            runs[name] = measure(config, args.iters, request, local, loop, larger)
     finally:
-        serve.delete(APP)
         serve.shutdown()
         ray.shutdown()
         loop.close()
 
-    g, l = statistics.median(graph_s), statistics.median(local_s)
     stages = {k: statistics.median(v[2:]) for k, v in local.stage_s.items()}
+    main_run = runs["default"]
     result = {
         "what": "tiny_t2i graph (ingress handle + materialize) vs the same stage code in-process",
         "batch": {"prompts": 1, "samples_per_prompt": args.samples, "num_steps": args.steps,
                   "height": 32, "width": 32},
-        "iters": args.iters, "torch_threads": 1, "deploy_s": round(deploy_s, 2),
-        "graph_s": {"median": g, "min": min(graph_s), "max": max(graph_s)},
-        "in_process_s": {"median": l, "min": min(local_s), "max": max(local_s)},
+        "iters": args.iters, "torch_threads": 1,
+        **{k: main_run[k] for k in ("deploy_s", "graph_s", "in_process_s", "graph_overhead")},
+        "graph_overhead_goal": 1.15,
+        "fixed_cost_per_request_ms": main_run["graph_minus_in_process_ms"],
         "in_process_stage_median_s": stages,
-        "graph_overhead": g / l, "graph_overhead_goal": 1.15,
-        "graph_minus_in_process_s": g - l,
-        # where the difference goes: the sampler itself (engine run time inside the replica)
-        # vs everything else (hops, object store, encoder/decoder/scorer, materialize)
-        "graph_rollout_run_median_s": statistics.median(replica_run_s),
-        "graph_outside_sampler_s": g - statistics.median(replica_run_s),
-        "in_process_outside_sampler_s": l - stages["rollout"],
-        "ingress_bytes": ingress["ingress_tensor_bytes"], "ingress_bytes_goal": 0,
-        "delivered_bytes_per_call": statistics.median(delivered),
+        "at_training_size": main_run["larger_requests"],
+        "breakdown": {k: v for k, v in main_run.items()
+                      if k.endswith("_ms") and k != "graph_minus_in_process_ms"},
+        "variants": {name: {"graph_overhead": r["graph_overhead"],
+                            "fixed_cost_per_request_ms": r["graph_minus_in_process_ms"],
+                            "score_hop_ms": r["hops_ms"]["score_s"]}
+                     for name, r in runs.items()},
+        "ingress_bytes": main_run["ingress_bytes"], "ingress_bytes_goal": 0,
+        "delivered_bytes_per_call": main_run["delivered_bytes_per_call"],
         "cpu_count": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "graph.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "graph.png")
-    print(json.dumps({k: result[k] for k in ("graph_overhead", "graph_minus_in_process_s",
-                                             "ingress_bytes", "delivered_bytes_per_call")}))
+    print(json.dumps({k: result[k] for k in ("graph_overhead", "fixed_cost_per_request_ms",
+                                             "breakdown", "variants", "at_training_size",
+                                             "ingress_bytes")},
+                     indent=1))
     return 0
 
 
@@ -178,24 +259,31 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     stages = result["in_process_stage_median_s"]
     bottom = 0.0
     for name, value in stages.items():
         ax1.bar(["in-process"], [value * 1e3], bottom=[bottom * 1e3], label=name)
         bottom += value
-    overhead = max(result["graph_s"]["median"] - bottom, 0.0)
     ax1.bar(["graph"], [result["graph_s"]["median"] * 1e3], color="gray",
             label=f"graph end to end (x{result['graph_overhead']:.2f})")
     ax1.set_ylabel("median ms per call")
     ax1.set_title(f"1 prompt x {result['batch']['samples_per_prompt']} samples, "
-                  f"{result['batch']['num_steps']} steps (+{overhead * 1e3:.0f} ms)")
+                  f"{result['batch']['num_steps']} steps "
+                  f"(+{result['fixed_cost_per_request_ms']:.0f} ms per request)", fontsize=9)
     ax1.legend(fontsize=7)
-    ax2.bar(["through ingress", "delivered to caller"],
-            [result["ingress_bytes"], result["delivered_bytes_per_call"]],
-            color=["tab:red", "tab:green"])
-    ax2.set_ylabel("tensor bytes per call")
-    ax2.set_title(f"ingress bytes: {result['ingress_bytes']} (goal 0)")
+    parts = {k.removesuffix("_ms"): v for k, v in result["breakdown"].items()
+             if k != "hops_ms" and not k.startswith("stage_compute")}
+    ax2.barh(list(parts), list(parts.values()), color="C1")
+    ax2.set_xlabel("ms (median)")
+    ax2.set_title("where the graph's time outside the stages' compute goes", fontsize=9)
+    ax2.tick_params(axis="y", labelsize=7)
+    names = list(result["variants"])
+    ax3.bar(names, [result["variants"][n]["graph_overhead"] for n in names], color="C0")
+    ax3.axhline(result["graph_overhead_goal"], color="k", ls="--", lw=1, label="goal")
+    ax3.set_ylabel("graph / in-process")
+    ax3.set_title(f"ingress tensor bytes: {result['ingress_bytes']} (goal 0)", fontsize=9)
+    ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

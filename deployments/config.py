@@ -165,7 +165,10 @@ class ScorerStage(Model):
                                  description="Weight, required/optional policy, timeout.")
     stage: ScorerStageOptions = Field(default_factory=ScorerStageOptions)
     max_batch_size: int = Field(8, ge=1, description="@serve.batch micro-batch (requests).")
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, le=1.0, description="How long a micro-batch waits for more calls after its "
+        "first. 0: a call alone is scored at once and calls arriving meanwhile queue into the "
+        "next batch (batches form under load, a lone request never waits; bench/graph_bench).")
 
 
 class HttpOptions(Model):

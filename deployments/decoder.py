@@ -6,6 +6,7 @@ only the decoded artifacts that were requested, and returns new handles (plus pr
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Sequence
 
 import torch
@@ -61,8 +62,10 @@ class DecoderServer:
                                        request_id=latents.request_id)
         latent: MediaArtifact = await handle.ref
         with self.metrics.track(latent.batch_size):
+            t0 = time.perf_counter()
             produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id,
                                                latents.sampling)
+            decode_s = time.perf_counter() - t0
         handles = {a.name: self.objects.put_artifact(a, latents.request_id) for a in produced}
         await self.objects.settled(latents.request_id)
         previews = {}
@@ -72,7 +75,8 @@ class DecoderServer:
         return StageOutput(request_id=latents.request_id, artifacts=handles,
                            policy_version=latents.policy_version, seeds=latents.seeds,
                            stop_reason=latents.stop_reason, previews=previews,
-                           sampling=latents.sampling)
+                           sampling=latents.sampling,
+                           metrics={f"decode_{self.latent_name}_s": decode_s})
 
     def _previews(self, produced: Sequence[MediaArtifact],
                   audio: MediaArtifact | None) -> dict[str, tuple[str, ...]]:

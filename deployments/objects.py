@@ -72,8 +72,11 @@ class ObjectHolder:
     def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536):
         self.held = HeldRefs(ttl_s, max_objects)
 
-    def hold(self, request_id: str | None, name: str | None, refs: list) -> int:
-        self.held.add(request_id, name, refs)        # refs arrive in a list: borrowed, tracked
+    def hold(self, request_id: str | None, names: list[str | None], refs: list) -> int:
+        """One request's puts of one stage call, named; the refs arrive in a list (borrowed,
+        tracked, never fetched)."""
+        for name, ref in zip(names, refs, strict=True):
+            self.held.add(request_id, name, [ref])
         return len(self.held)
 
     def release(self, request_ids: list[str], names: list[str] | None = None) -> int:
@@ -100,23 +103,24 @@ class ObjectKeeper:
                  holder: Any | None = None):
         self.holder = holder
         self.local = HeldRefs(ttl_s, max_objects)
-        self._pending: dict[str | None, list[Any]] = {}    # request id -> unacknowledged holds
+        # request id -> [(name, ref)] put but not yet handed to the holder (held here till then)
+        self._pending: dict[str | None, list[tuple[str | None, Any]]] = {}
 
     def put(self, value: Any, request_id: str | None = None, name: str | None = None) -> Any:
-        if self.holder is None:
-            ref = ray.put(value)
-            self.local.add(request_id, name, [ref])
-            return ref
         ref = ray.put(value)
-        self._pending.setdefault(request_id, []).append(
-            self.holder.hold.remote(request_id, name, [ref]))
+        if self.holder is None:
+            self.local.add(request_id, name, [ref])
+        else:
+            self._pending.setdefault(request_id, []).append((name, ref))
         return ref
 
     async def settled(self, request_id: str | None) -> None:
-        """Wait until the holder holds every put of this request (before its outputs leave the
-        stage, so no release can overtake a hold)."""
-        for ack in self._pending.pop(request_id, []):
-            await ack
+        """Hand this request's puts to the holder in one actor call and wait until it holds
+        them (before the outputs leave the stage, so no release can overtake a hold)."""
+        named = self._pending.pop(request_id, [])
+        if named:
+            await self.holder.hold.remote(request_id, [n for n, _ in named],
+                                          [r for _, r in named])
 
     def release(self, request_ids: Iterable[str], names: Iterable[str] | None = None) -> int:
         return self.local.release(request_ids, names)

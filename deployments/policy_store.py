@@ -137,6 +137,14 @@ class PolicyStore:
                 raise self._unavailable("policy_store")
             return self._policies[self._order[-1]] if self._order else None
 
+    def latest_version(self) -> str | None:
+        """The newest version's name only (a reply without object refs in it: no borrower
+        bookkeeping on the path of every request that asks for the latest policy)."""
+        with self._lock:
+            if not self._restored:
+                raise self._unavailable("policy_store")
+            return self._order[-1] if self._order else None
+
     def versions(self) -> list[str]:
         with self._lock:
             return list(self._order)

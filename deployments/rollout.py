@@ -87,12 +87,13 @@ class DiTRolloutServer:
     async def _resolve(self, requested: str | None) -> str:
         if requested is not None:
             return await self._ensure(requested)
-        latest = await self.store.latest.remote()
-        return await self._ensure(latest.version if latest is not None else BASE_VERSION)
+        latest = await self.store.latest_version.remote()
+        return await self._ensure(latest if latest is not None else BASE_VERSION)
 
     async def rollout(self, request: RolloutRequest, cond: Condition,
                       requested: Sequence[str], negative: Condition | None = None
                       ) -> StageOutput:
+        t0 = time.perf_counter()
         version = await self._resolve(request.policy_version)
         request = dataclasses.replace(request, policy_version=version,
                                       requested_artifacts=tuple(requested))
@@ -105,7 +106,7 @@ class DiTRolloutServer:
         return StageOutput(request_id=rid, artifacts=handles,
                            policy_version=out.policy_version, seeds=out.seeds,
                            stop_reason=out.stop_reason, trajectory=trajectory,
-                           metrics=dict(out.metrics),
+                           metrics={**out.metrics, "rollout_stage_s": time.perf_counter() - t0},
                            encoded_token_ids=seen_token_ids(cond, negative),
                            sampling=request.sampling)
 

@@ -112,7 +112,7 @@ class ScorerServer:
             raise result
         return result
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)   # set from the config
     async def _score_batch(self, pending: list[_Pending]) -> list[ScorerOutput | Exception]:
         """Micro-batch: requests with the same media shapes are scored in one call. A group that
         raises is re-scored request by request, so one bad request fails only itself (its
