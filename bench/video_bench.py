@@ -17,7 +17,7 @@ checkpoint written by scripts/tiny_checkpoints.py into a temporary folder):
                                                against the baseline before the batch
                 peak_rss_mib    each stage replica's peak resident memory (VmHWM) after the batch
 
-Adding a family (e.g. Wan) = one `VideoCase` in CASES: registry name, tiny checkpoint, options,
+Adding a family = one `VideoCase` in CASES: registry name, tiny checkpoint, options,
 sampling, prompts, Serve config and how to fill in its run-time paths.
 """
 from __future__ import annotations
@@ -37,8 +37,12 @@ import torch
 import yaml
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PROMPTS = ["a red ball bouncing with loud beeps", "a green square sliding with a hum",
-           "a blue cube falling with clicks", "a yellow star spinning with a whistle"]
+PROMPTS = ("a red ball bouncing with loud beeps", "a green square sliding with a hum",
+           "a blue cube falling with clicks", "a yellow star spinning with a whistle")
+SHAPE_PROMPTS = ("a red circle in the center on a white background",     # what the shape
+                 "a green triangle at the top left on a white background",  # verifier reads
+                 "a green square at the bottom left on a gray background",
+                 "a blue triangle at the bottom right on a white background")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,13 @@ class VideoCase:
     negative: str | None = "blurry"
     graph_args: Callable[[dict, Path, Path], dict] | None = None   # (args, ckpt, tmp) -> args
     notes: str = ""
+    prompts: tuple[str, ...] = PROMPTS
+
+
+def _wan_graph(args: dict, root: Path, tmp: Path) -> dict:
+    """configs/wan_tiny.yaml with the checkpoint (the shape verifier on 3 sampled frames)."""
+    args["rollout"]["weights_path"] = str(root)
+    return args
 
 
 def _ltx2_graph(args: dict, root: Path, tmp: Path) -> dict:
@@ -62,6 +73,17 @@ def _ltx2_graph(args: dict, root: Path, tmp: Path) -> dict:
 
 
 CASES: dict[str, VideoCase] = {
+    "wan21": VideoCase(
+        family="wan", checkpoint="wan21", options={"max_sequence_length": 64},
+        sampling={"height": 32, "width": 48, "num_frames": 9, "guidance_scale": 5.0},
+        graph="configs/wan_tiny.yaml", graph_args=_wan_graph, prompts=SHAPE_PROMPTS,
+        notes="Wan 2.1 T2V layout, random weights; CFG rows doubled; 9 frames (3 latent)"),
+    "wan22": VideoCase(
+        family="wan", checkpoint="wan22", options={"max_sequence_length": 64},
+        sampling={"height": 32, "width": 48, "num_frames": 9, "guidance_scale": 5.0},
+        graph="configs/wan_tiny.yaml", graph_args=_wan_graph, prompts=SHAPE_PROMPTS,
+        notes="Wan 2.2 T2V layout (two experts switched at boundary_ratio), random weights; "
+              "CFG rows doubled; 9 frames"),
     "ltx2": VideoCase(
         family="ltx2", checkpoint="ltx2",
         options={"max_sequence_length": 64, "frame_rate": 25.0},
@@ -81,7 +103,7 @@ def _engine_requests(fam, encoders, n: int, rows: int, case: VideoCase, steps: i
     out = []
     for i in range(n):
         negatives = None if case.negative is None else [case.negative]
-        bundle = fam.conditioner.tokenize([PROMPTS[i % len(PROMPTS)]], negatives)[0]
+        bundle = fam.conditioner.tokenize([case.prompts[i % len(case.prompts)]], negatives)[0]
         sampling = SamplingSpec(sampler=SamplerKind.SDE, noise_level=0.7, num_steps=steps,
                                 seeds=tuple(seed + i * rows + j for j in range(rows)),
                                 **case.sampling)
@@ -194,7 +216,7 @@ def bench_graph(case: VideoCase, root: Path, tmp: Path, n: int, rows: int, steps
         out = []
         for i in range(n):
             negatives = None if case.negative is None else [case.negative]
-            bundle = fam.conditioner.tokenize([PROMPTS[i % len(PROMPTS)]], negatives)[0]
+            bundle = fam.conditioner.tokenize([case.prompts[i % len(case.prompts)]], negatives)[0]
             out.append(RolloutRequest(prompt=bundle, task=next(iter(fam.spec.tasks)),
                                       sampling=SamplingSpec(
                                           sampler=SamplerKind.SDE, noise_level=0.7,
