@@ -122,6 +122,7 @@ def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
     import time
 
     import ray
+    from ray import serve
 
     from trainer.loop import Pending, Trainer
     from trainer.prompts import make_requests
@@ -129,9 +130,11 @@ def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
                                      checks={"time_convention": False, "lora_map": False}))
     requests = make_requests(trainer.family, trainer.eval_prompts[:2], trainer.cfg.sampler,
                              group=8, seed=77, version=None, num_steps=20)
-    pending = Pending(0, [], requests, trainer.client.submit(requests), time.perf_counter())
-    time.sleep(1.0)                                  # the batch is queued / running
+    # the one replica's engine paused, so the batch is surely in it (queued) when it dies
     name, namespace = _rollout_replica_actor()
+    serve.get_deployment_handle("DiTRollout", app_name=APP).sleep.remote().result()
+    pending = Pending(0, [], requests, trainer.client.submit(requests), time.perf_counter())
+    time.sleep(1.5)                                  # encoded and handed to the rollout stage
     ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
     outputs, _ = trainer.collect(pending)
     assert trainer.rollout_retries >= 1
