@@ -11,7 +11,8 @@ trained sample per device. Then:
 
   stage capacity     replicas x samples/s of one replica
   throughput         min over stages (the bottleneck); with a shared device pool (CPU cores
-                     here) also <= pool / sum of the stages' device-seconds per sample
+                     here) also <= pool / (sum of the stages' device-seconds per sample + the
+                     graph's own core-seconds per sample, `graph_overhead` in the cost file)
   allocation         one replica per stage, then one more to the bottleneck while devices last
   trainer step       samples_per_step / throughput (rollout), samples_per_step x learner cost /
                      learner devices (update); async = the larger, serial = the sum
@@ -137,15 +138,26 @@ def replica_devices(options: Mapping[str, Any], device: str) -> float:
     return float(actor.get("num_gpus" if key == "GPU" else "num_cpus", 0.0))
 
 
+def graph_overhead_per_sample(costs: Mapping[str, Any]) -> float:
+    """Core-seconds per sample the graph itself spends beside the stages' compute (Serve hops,
+    serialisation, the ingress, Ray's own processes), from the cost file's `graph_overhead`
+    (measured by bench/plan_bench.py); 0 when the file has none."""
+    overhead = costs.get("graph_overhead") or {}
+    per_request = float(overhead.get("core_seconds_per_request", 0.0))
+    return max(per_request, 0.0) / float(costs.get("samples_per_request", 1))
+
+
 def predict(stages: list[StageCost], replicas: Mapping[str, int],
-            pool: float | None = None) -> tuple[float, str, str]:
+            pool: float | None = None, overhead_s_per_sample: float = 0.0
+            ) -> tuple[float, str, str]:
     """(samples/s, bottleneck stage, "stages" | "device pool"). `pool`: devices the replicas
-    share (CPU cores of one machine); None = each replica has its own (GPUs)."""
+    share (CPU cores of one machine); None = each replica has its own (GPUs).
+    `overhead_s_per_sample`: what the graph itself burns on the shared pool per sample."""
     capacity = {s.key: replicas[s.key] * s.samples_per_s for s in stages}
     bottleneck = min(capacity, key=capacity.get)
     throughput, limited = capacity[bottleneck], "stages"
     if pool is not None:
-        demand = sum(s.seconds_per_sample * s.threads for s in stages)  # core-s / sample
+        demand = sum(s.seconds_per_sample * s.threads for s in stages) + overhead_s_per_sample
         if pool / demand < throughput:
             throughput, limited = pool / demand, "device pool"
     return throughput, bottleneck, limited
@@ -175,7 +187,8 @@ def make_plan(stages: list[StageCost], devices: float, costs: Mapping[str, Any],
               samples_per_step: int, learner_devices: float,
               replicas: Mapping[str, int] | None = None, pool: float | None = None) -> Plan:
     chosen = dict(replicas) if replicas is not None else allocate(stages, devices)
-    throughput, bottleneck, limited = predict(stages, chosen, pool)
+    throughput, bottleneck, limited = predict(stages, chosen, pool,
+                                              graph_overhead_per_sample(costs))
     rows = []
     for s in stages:
         cap = chosen[s.key] * s.samples_per_s

@@ -9,9 +9,13 @@ the graph's throughput predicted from them (bench/plan.py) at two stage mixes, t
    `clients` requests in flight (rows packed per step, as the graph's engine sees them) per
    sample; decoder and scorer per sample; the rollout stage once more as two processes at once
    -> the cores this machine really gives two busy replicas (the shared pool).
+   The graph's own CPU per request (`graph_overhead`: hops, serialisation, the ingress, Ray's
+   processes): the deployed graph's machine-wide busy core-seconds per request, one request at
+   a time, minus the same stages' CPU seconds in one process.
    Written to bench/results/stage_costs.json (the planner's default CPU cost file).
 2. For each mix (DiTRollout x1, then x2; every other stage x1): the prediction
-   min(replicas / cost per stage, pool / sum of costs), then the graph deployed on a local Ray
+   min(replicas / cost per stage, pool / (sum of costs + the graph's own per sample)), then
+   the graph deployed on a local Ray
    cluster under `clients` closed-loop clients for `seconds`, samples/s measured.
 Writes bench/results/plan_check.json + plan_check.png; `within_tolerance` is |pred/meas - 1|
 <= 0.25 for both mixes.
@@ -39,6 +43,7 @@ import torch  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 APP = "plan_check"
 TOLERANCE = 0.25
+OVERHEAD_REQUESTS = 12          # sequential requests measuring the graph's own CPU cost
 PROMPTS = ("a red circle at the top left on a black background",
            "a blue square in the center on a white background",
            "a green triangle at the bottom right on a black background")
@@ -113,11 +118,25 @@ def measure_stages(clients: int, steps: int, samples: int, rounds: int) -> dict:
                 roll_s.append((t2 - t1) / rows)
                 dec_s.append((t3 - t2) / rows)
                 score_s.append((t4 - t3) / rows)
+        # the same stages, one request at a time: the process's CPU seconds per request
+        # (engine thread included), to subtract from the graph's for its own overhead
+        batch = requests(family, OVERHEAD_REQUESTS, steps, samples, "cpu")
+        cpu0 = time.process_time()
+        for q in batch:
+            [cond] = [loop.run_until_complete(encoder.encode([q.prompt]))]
+            [out] = loop.run_until_complete(_all(strategy, [q], [cond]))
+            [image] = decoder._decode(out.artifacts["image_latent"], [decoder.outputs[0]],
+                                      q.request_id, q.sampling)
+            scorer.score(ScoreRequest(artifacts={"image": image},
+                                      prompts=(q.prompt.text,) * samples,
+                                      metadata=tuple({"seed": s} for s in q.sampling.seeds)))
+        stages_cpu_s = (time.process_time() - cpu0) / len(batch)
     finally:
         loop.run_until_complete(strategy.engine.shutdown())
         loop.close()
     med = statistics.median
-    return {"encoder": {"seconds_per_request": med(enc_s)},
+    return {"in_process_core_seconds_per_request": stages_cpu_s,
+            "encoder": {"seconds_per_request": med(enc_s)},
             "rollout": {"seconds_per_sample": med(roll_s), "batch_rows": clients * samples},
             "decoder:image_latent": {"seconds_per_sample": med(dec_s)},
             "scorer:image_attributes": {"seconds_per_sample": med(score_s)}}
@@ -165,6 +184,26 @@ def effective_cores(clients: int, steps: int, samples: int, rounds: int) -> floa
         [alone] = run(1)
         ratios.append(2 * alone / max(run(2)))
     return min(statistics.median(ratios), float(os.cpu_count() or 1))
+
+
+def busy_core_seconds() -> float:
+    """Core-seconds this machine has been busy (every process: /proc/stat, not idle/iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def graph_core_seconds(handle, family, steps: int, samples: int) -> float:
+    """Machine-wide busy core-seconds per request of the deployed graph, one request at a time
+    (after one warm-up request)."""
+    from deployments.client import RolloutClient
+    client = RolloutClient(handle)
+    batch = requests(family, OVERHEAD_REQUESTS + 1, steps, samples, "overhead")
+    client.rollout(batch[:1])
+    busy0 = busy_core_seconds()
+    for q in batch[1:]:
+        client.rollout([q])
+    return (busy_core_seconds() - busy0) / OVERHEAD_REQUESTS
 
 
 # ---- 2. the graph at two mixes -----------------------------------------------------------------
@@ -225,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from adapters.registry import get_family
-    from bench.plan import StageCost, predict, stage_costs
+    from bench.plan import StageCost, graph_overhead_per_sample, predict, stage_costs
     from deployments.config import load_graph_config
     from graph import build_app
 
@@ -237,15 +276,22 @@ def main(argv: list[str] | None = None) -> int:
                "--rounds", str(args.rounds)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         stages = json.loads(out.strip().splitlines()[-1])
+        in_process = stages.pop("in_process_core_seconds_per_request")
+        graph = graph_core_seconds(handle, family, args.steps, args.samples)
         return {"what": "tiny_t2i stages on this machine's CPU, each alone, one torch thread",
                 "source": "measured (bench/plan_bench.py)", "device_kind": "CPU",
                 "samples_per_request": args.samples, "cpu_count": os.cpu_count(),
                 "stages": stages,
+                # the graph's own CPU per request: the deployed graph's machine-wide busy
+                # core-seconds per request minus the same stages' in one process
+                "graph_overhead": {"core_seconds_per_request": graph - in_process,
+                                   "graph_core_seconds_per_request": graph,
+                                   "in_process_core_seconds_per_request": in_process},
                 "pool_cores": effective_cores(args.clients, args.steps, args.samples,
                                               args.rounds)}
-    # The ingress (validation, the DAG's hops) has no single-stage figure -- it is the graph's
-    # own fixed cost (bench/results/graph.json) -- so the prediction leaves it out: the check
-    # tests that the model stages alone explain the graph's throughput.
+    # The ingress (validation, the DAG's hops) has no single-stage figure: it is part of the
+    # graph's own CPU per request (`graph_overhead`, measured apart, one request at a time),
+    # which shares the pool with the stages' compute.
     family = get_family("tiny_t2i")
     mixes = []
     ray.init(address="local", num_cpus=8, object_store_memory=256 * 2**20,
@@ -258,12 +304,14 @@ def main(argv: list[str] | None = None) -> int:
             costs = measure_costs()
             planned: list[StageCost] = stage_costs(config, costs, skip=("ingress",))
             replicas = {s.key: (rollout_replicas if s.key == "rollout" else 1) for s in planned}
-            predicted, bottleneck, limited = predict(planned, replicas, costs["pool_cores"])
+            predicted, bottleneck, limited = predict(planned, replicas, costs["pool_cores"],
+                                                     graph_overhead_per_sample(costs))
             measured = measure_graph(handle, family, args.clients, args.steps, args.samples,
                                      args.seconds)
             serve.delete(APP)
             mixes.append({"replicas": {"DiTRollout": rollout_replicas, "others": 1},
                           "stage_costs": costs["stages"], "pool_cores": costs["pool_cores"],
+                          "graph_overhead": costs["graph_overhead"],
                           "predicted_samples_per_s": predicted, "bottleneck": bottleneck,
                           "limited_by": limited, **{f"measured_{k}": v
                                                     for k, v in measured.items()},

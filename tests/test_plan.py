@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan import (StageCost, allocate, best_split, load_costs, main, make_plan, predict,
+from bench.plan import (StageCost, allocate, best_split, graph_overhead_per_sample, load_costs,
+                        main, make_plan, predict,
                         stage_costs)
 from contract import ConfigError
 from deployments.config import load_graph_config
@@ -58,6 +59,12 @@ def test_shared_pool_and_trainer_step():
     # per-stage bound: rollout 4 x 2/s = 8/s; the pool: 2 cores / (0.04 + 0.5 + 0.12) s = 3.03/s
     throughput, bottleneck, limited = predict(s, replicas, pool=2.0)
     assert limited == "device pool" and throughput == pytest.approx(2.0 / 0.66)
+    # the graph's own CPU per request (0.4 core-s for 4 samples) shares the pool too
+    overhead = graph_overhead_per_sample({"samples_per_request": 4,
+                                          "graph_overhead": {"core_seconds_per_request": 0.4}})
+    assert overhead == pytest.approx(0.1) and graph_overhead_per_sample({}) == 0.0
+    assert predict(s, replicas, 2.0, overhead)[0] == pytest.approx(2.0 / 0.76)
+    assert predict(s, replicas, None, overhead)[0] == pytest.approx(min(8.0, 1 / 0.04, 2 / 0.12))
     costs = {"device_kind": "GPU", "learner": {"seconds_per_sample": 0.3}}
     plan = make_plan(s, 12, costs, samples_per_step=48, learner_devices=4, replicas=replicas)
     assert plan.throughput == pytest.approx(min(8.0, 1 / 0.04, 2 / 0.12))
