@@ -251,6 +251,27 @@ class Codec(ABC):
         return NO_MEDIA
 
 
+
+class OneLatentCodec(Codec):
+    """A codec whose sampler state is its one latent artifact, as is (`latent_name`)."""
+
+    latent_name: str                 # the artifact the state is, e.g. "image_latent"
+    label: str                       # the family, in errors
+
+    def split_state(self, state: torch.Tensor, sampling: SamplingSpec) -> dict[str, torch.Tensor]:
+        return {self.latent_name: state}
+
+    def join_state(self, latents: Mapping[str, torch.Tensor],
+                   sampling: SamplingSpec) -> torch.Tensor:
+        return latents[self.latent_name].float()
+
+    def check_latent_name(self, latent_name: str) -> None:
+        """`decode` is asked for this codec's one latent only."""
+        if latent_name != self.latent_name:
+            raise InvalidRequestError(f"{self.label} decodes {self.latent_name!r} only",
+                                      field="latent_name", expected=self.latent_name,
+                                      actual=latent_name)
+
 class ModelFamily(ABC):
     """One model family bound to one checkpoint folder. Construction reads JSON configs only."""
 

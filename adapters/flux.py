@@ -30,7 +30,7 @@ from adapters.checkpoint import read_json, read_model_index
 from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, FlowSchedule,
                                       ImageVAE, TokenizingConditioner, clip_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
-from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
+from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
                              Overflow, parse_options)
 from adapters.sd3 import image_io_spec
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
@@ -82,7 +82,9 @@ def latent_image_ids(rows: int, cols: int) -> torch.Tensor:
     return ids.reshape(rows * cols, 3)
 
 
-class FluxCodec(Codec):
+class FluxCodec(OneLatentCodec):
+    latent_name, label = 'image_latent', 'FLUX'     # packed tokens (B, L, 4C)
+
     def __init__(self, vae: ImageVAE, in_channels: int):
         self.vae, self.in_channels = vae, in_channels        # in_channels = 4 * latent channels
 
@@ -98,12 +100,6 @@ class FluxCodec(Codec):
     def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
         rows, cols = self.grid(sampling)
         return (rows * cols, self.in_channels)
-
-    def split_state(self, state, sampling):
-        return {"image_latent": state}
-
-    def join_state(self, latents, sampling):
-        return latents["image_latent"].float()
 
     def unpack(self, tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """(B, rows*cols, 4C) packed tokens -> (B, C, 2 rows, 2 cols) latents."""
@@ -122,10 +118,7 @@ class FluxCodec(Codec):
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        if latent_name != "image_latent":
-            raise InvalidRequestError("FLUX decodes the packed 'image_latent' (B, L, 4C)",
-                                      field="latent_name", expected="image_latent",
-                                      actual=latent_name)
+        self.check_latent_name(latent_name)
         rows, cols = self.grid(sampling)
         if tuple(latent.shape[1:]) != (rows * cols, self.in_channels):
             raise InvalidRequestError("the packed latent does not match the sampling size",

@@ -28,7 +28,7 @@ from adapters.checkpoint import read_json, read_model_index
 from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
                                       TokenizingConditioner, clip_hidden_and_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
-from adapters.family import (Codec, EncoderSpec, FamilySpec, ModelFamily, Overflow,
+from adapters.family import (EncoderSpec, FamilySpec, ModelFamily, OneLatentCodec, Overflow,
                              parse_options)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, Modality, PromptBundle, Representation, SamplingSpec, Task,
@@ -83,7 +83,9 @@ class SD3Denoiser:
                                      pooled_projections=cond["pooled"], return_dict=False)[0]
 
 
-class SD3Codec(Codec):
+class SD3Codec(OneLatentCodec):
+    latent_name, label = 'image_latent', 'SD3'
+
     def __init__(self, vae: ImageVAE, channels: int, patch_size: int):
         self.vae, self.channels, self.patch_size = vae, channels, patch_size
 
@@ -95,17 +97,9 @@ class SD3Codec(Codec):
                                       expected=1, actual=sampling.num_frames)
         return (self.channels, sampling.height // f, sampling.width // f)
 
-    def split_state(self, state, sampling):
-        return {"image_latent": state}
-
-    def join_state(self, latents, sampling):
-        return latents["image_latent"].float()
-
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        if latent_name != "image_latent":
-            raise InvalidRequestError("SD3 decodes 'image_latent' only", field="latent_name",
-                                      expected="image_latent", actual=latent_name)
+        self.check_latent_name(latent_name)
         return self.vae.decode(modules["vae"], latent)
 
 

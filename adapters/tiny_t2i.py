@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters.embedded import EmbeddedFamily
-from adapters.family import Codec, FamilySpec
+from adapters.family import FamilySpec, OneLatentCodec
 from adapters.lora_targets import LoRATarget, LoRATargetMap
 from adapters.minilm import ENCODER, PACKAGE, MiniLMConditioner, minilm_encoder_spec
 from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
@@ -102,7 +102,9 @@ class SD3StyleDenoiser:
                                      return_dict=False)[0]
 
 
-class TinyT2ICodec(Codec):
+class TinyT2ICodec(OneLatentCodec):
+    latent_name, label = 'image_latent', 'tiny_t2i'
+
     def __init__(self, config: TinyT2IConfig):
         self.config = config
 
@@ -120,18 +122,9 @@ class TinyT2ICodec(Codec):
         side = size // self.config.vae_downsample
         return (self.config.latent_channels, side, side)
 
-    def split_state(self, state, sampling):
-        return {"image_latent": state}
-
-    def join_state(self, latents, sampling):
-        return latents["image_latent"].float()
-
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        if latent_name != "image_latent":
-            raise InvalidRequestError("tiny_t2i decodes 'image_latent' only",
-                                      field="latent_name", expected="image_latent",
-                                      actual=latent_name)
+        self.check_latent_name(latent_name)
         with torch.no_grad():
             return vae_decode(modules["vae"], latent)                       # (B, 3, H, W) u8
 

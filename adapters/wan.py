@@ -33,7 +33,7 @@ from torch import nn
 
 from adapters.checkpoint import load_component, read_json, read_model_index
 from adapters.diffusers_parts import UMT5_ETP_PLAN, FlowSchedule, encoder_vocab_size
-from adapters.family import (Codec, EncoderSpec, FamilySpec, MediaCondition, ModelFamily,
+from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
                              Overflow, parse_options)
 from adapters.wan_parts import (UMT5Conditioner, UniPCHandling, WanVAE, check_condition_image,
                                 clip_image_embeds, schedule_config, unipc_spacing)
@@ -106,7 +106,9 @@ def _run(model: nn.Module, hidden, timestep, embeds, image) -> torch.Tensor:
                  encoder_hidden_states_image=image, return_dict=False)[0]
 
 
-class WanCodec(Codec):
+class WanCodec(OneLatentCodec):
+    latent_name, label = 'video_latent', 'Wan'
+
     def __init__(self, root: Path, vae: WanVAE, patch: tuple[int, int, int], task: Task,
                  image_features: bool):
         self.root, self.vae, self.patch, self.task = root, vae, patch, task
@@ -140,17 +142,9 @@ class WanCodec(Codec):
         return (self.vae.z_dim, self.vae.latent_frames(frames),
                 sampling.height // self.vae.spatial, sampling.width // self.vae.spatial)
 
-    def split_state(self, state, sampling):
-        return {"video_latent": state}
-
-    def join_state(self, latents, sampling):
-        return latents["video_latent"].float()
-
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        if latent_name != "video_latent":
-            raise InvalidRequestError("Wan decodes 'video_latent' only", field="latent_name",
-                                      expected="video_latent", actual=latent_name)
+        self.check_latent_name(latent_name)
         shape = self.state_shape(sampling)
         if tuple(latent.shape[1:]) != shape:
             raise InvalidRequestError("the latent does not match the sampling size",
