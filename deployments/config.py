@@ -105,6 +105,10 @@ class EncoderStage(StageOptions):
     etp: int = Field(1, ge=1, description="Encoder tensor-parallel degree (shard workers).")
     num_cpus_per_shard: float = Field(0.25, gt=0)
     num_gpus_per_shard: float = Field(0.0, ge=0, description="1 per shard for nccl on GPU.")
+    memory_mib_per_shard: int | None = Field(
+        None, ge=64, description="Memory per ETP shard worker (MiB), as `memory_mib` for the "
+        "replica: in its placement-group bundle and its own guard (a worker over it ends, the "
+        "replica fails its health check and Serve replaces the group). None = no bound.")
     device: str = Field("cpu", description="torch device of the encoder (and its shards).")
     dtype: str = Field("float32", description="Weights dtype of the text encoders.")
 

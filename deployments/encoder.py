@@ -50,8 +50,8 @@ class TextEncoderServer:
     @classmethod
     def deployment_options(cls, etp: int, num_cpus_per_shard: float, num_cpus: float = 0.25,
                            num_gpus: float = 0.0, num_gpus_per_shard: float = 0.0,
-                           device: str = "cpu", memory_bytes: int | None = None
-                           ) -> dict[str, Any]:
+                           device: str = "cpu", memory_bytes: int | None = None,
+                           shard_memory_bytes: int | None = None) -> dict[str, Any]:
         """Serve options derived from `etp`: nothing extra at etp 1, else the placement group.
 
         Bundle 0 holds the replica itself (its num_cpus / num_gpus / memory), bundles 1..etp one
@@ -67,12 +67,12 @@ class TextEncoderServer:
             return {}
         _check_shard_gpus(device, [num_gpus_per_shard] * etp)
 
-        def bundle(cpus: float, gpus: float) -> dict[str, float]:
-            return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
-        replica = bundle(num_cpus, num_gpus) | ({} if memory_bytes is None else
-                                                {"memory": memory_bytes})
-        return {"placement_group_bundles": [replica] +
-                                           [bundle(num_cpus_per_shard, num_gpus_per_shard)] * etp,
+        def bundle(cpus: float, gpus: float, memory: int | None) -> dict[str, float]:
+            return {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {}),
+                    **({} if memory is None else {"memory": memory})}
+        replica = bundle(num_cpus, num_gpus, memory_bytes)
+        shard = bundle(num_cpus_per_shard, num_gpus_per_shard, shard_memory_bytes)
+        return {"placement_group_bundles": [replica] + [shard] * etp,
                 "placement_group_strategy": "STRICT_PACK"}
 
     def __init__(self, adapter: str, weights_path: str | None = None, etp: int = 1,
@@ -112,10 +112,12 @@ class TextEncoderServer:
         self.workers = [
             remote_cls.options(
                 num_cpus=bundles[i + 1].get("CPU", 0), num_gpus=bundles[i + 1].get("GPU", 0),
+                **({"memory": bundles[i + 1]["memory"]} if "memory" in bundles[i + 1] else {}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i + 1),
                 runtime_env={"env_vars": SHARD_ENV},
-            ).remote(adapter, weights_path, i, self.etp, master, device, dtype, self.options)
+            ).remote(adapter, weights_path, i, self.etp, master, device, dtype, self.options,
+                     bundles[i + 1].get("memory"))
             for i in range(self.etp)]
         self.worker_info = ray.get([w.ready.remote() for w in self.workers])
 
@@ -172,6 +174,7 @@ class TextEncoderServer:
         return await self._on_all_ranks("param_bytes")
 
     async def shard_workers(self) -> list[dict[str, Any]]:
-        """Replica pid plus each shard worker's rank, pid and actor id."""
+        """Replica pid plus each shard worker's rank, pid, actor id and memory bound (0: none)."""
         return [{"rank": info["rank"], "pid": info["pid"], "actor_id": w._actor_id.hex(),
-                 "replica_pid": os.getpid()} for info, w in zip(self.worker_info, self.workers)]
+                 "memory_limit_bytes": info["memory_limit_bytes"], "replica_pid": os.getpid()}
+                for info, w in zip(self.worker_info, self.workers)]

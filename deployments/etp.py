@@ -204,10 +204,14 @@ class ShardWorker:
 
     def __init__(self, adapter: str, weights_path: str | None, rank: int, etp: int,
                  master: str, device: str, dtype: str = "float32",
-                 options: dict | None = None):
+                 options: dict | None = None, memory_bytes: float | None = None):
         from adapters.registry import get_family
+        from deployments.memory import MemoryGuard
 
         self.rank, self.etp = rank, etp
+        # its bundle's memory, guarded as a replica's is: over it, the worker ends itself
+        self.memory_guard = None if not memory_bytes else \
+            MemoryGuard(int(memory_bytes), f"TextEncoder shard {rank}").start()
         self.device_type = torch.device(device).type
         backend = "nccl" if self.device_type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank,
@@ -224,7 +228,8 @@ class ShardWorker:
 
     def ready(self) -> dict[str, int]:
         import os
-        return {"rank": self.rank, "pid": os.getpid()}
+        limit = 0 if self.memory_guard is None else self.memory_guard.limit_bytes
+        return {"rank": self.rank, "pid": os.getpid(), "memory_limit_bytes": limit}
 
     def param_bytes(self) -> dict[str, int]:
         own = param_bytes(self.encoders, self.family)

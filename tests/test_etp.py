@@ -22,6 +22,7 @@ from deployments.etp import check_etp, param_bytes, valid_etp_values
 
 pytestmark = pytest.mark.timeout(300)
 
+SHARD_MEMORY = 2 * 2**30       # each shard worker's bound: its bundle + its own guard
 TEXTS = ["a red circle on the left", "two small blue squares",
          "a large green triangle in the top right corner next to a yellow star", "cat"]
 
@@ -72,6 +73,13 @@ def test_deployment_options_derive_placement():
                     "placement_group_strategy": "STRICT_PACK"}
     gpu = TextEncoderServer.deployment_options(2, 1.0, 0.25, num_gpus_per_shard=1.0)
     assert gpu["placement_group_bundles"][1:] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    # memory bounds from the graph config: the replica's bundle and each shard's
+    from deployments.config import load_graph_config
+    from graph import encoder_options
+    config = load_graph_config({"rollout": {"adapter": "tiny_t2i"}, "encoder": {
+        "etp": 2, "memory_mib": 1024, "memory_mib_per_shard": 512}})
+    bundles = encoder_options(config)["placement_group_bundles"]
+    assert [b["memory"] for b in bundles] == [1024 * 2**20, 512 * 2**20, 512 * 2**20]
     with pytest.raises(ConfigError) as e:          # nccl ranks need a whole GPU each
         TextEncoderServer.deployment_options(2, 1.0, device="cuda")
     assert e.value.field == "num_gpus_per_shard"
@@ -116,7 +124,8 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
     cpus, per_shard = 0.25, 0.25
     opts = {"name": "TextEncoder", "ray_actor_options": {"num_cpus": cpus},
             "graceful_shutdown_wait_loop_s": 0.0, "graceful_shutdown_timeout_s": 2.0,
-            **TextEncoderServer.deployment_options(etp, per_shard, cpus)}
+            **TextEncoderServer.deployment_options(etp, per_shard, cpus,
+                                                   shard_memory_bytes=SHARD_MEMORY)}
     app_name = f"etp{etp}"
     handle = serve.run(serve.deployment(TextEncoderServer, **opts).bind(
         "tiny_t2i", weights, etp, "cpu"), name=app_name, route_prefix=None)
@@ -146,6 +155,7 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
 
         workers = handle.shard_workers.remote().result(timeout_s=60)
         assert [w["rank"] for w in workers] == list(range(etp))
+        assert all(w["memory_limit_bytes"] == SHARD_MEMORY for w in workers)   # each guarded
         pids = [w["pid"] for w in workers]
         assert all(_pid_alive(p) for p in pids)
         assert all(w["replica_pid"] not in pids for w in workers)
