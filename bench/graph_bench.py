@@ -272,11 +272,16 @@ def plot(result: dict, path: Path) -> None:
                   f"{result['batch']['num_steps']} steps "
                   f"(+{result['fixed_cost_per_request_ms']:.0f} ms per request)", fontsize=9)
     ax1.legend(fontsize=7)
-    parts = {k.removesuffix("_ms"): v for k, v in result["breakdown"].items()
-             if k != "hops_ms" and not k.startswith("stage_compute")}
+    b, hops = result["breakdown"], result["breakdown"]["hops_ms"]
+    parts = {"caller <-> ingress": b["handle_call_outside_ingress_ms"],
+             "prompt check hop": hops["ingress_check_s"],
+             "encode + rollout hops\n(incl. encoder compute)": b["rollout_hop_outside_engine_ms"],
+             "decode hop": b["decode_hop_outside_decoder_ms"],
+             "score hop (incl. scoring)": hops["score_s"],
+             "caller's fetch": b["caller_fetch_ms"]}
     ax2.barh(list(parts), list(parts.values()), color="C1")
     ax2.set_xlabel("ms (median)")
-    ax2.set_title("where the graph's time outside the stages' compute goes", fontsize=9)
+    ax2.set_title("per-hop wall time beside the engine's and the decoder's compute", fontsize=9)
     ax2.tick_params(axis="y", labelsize=7)
     names = list(result["variants"])
     ax3.bar(names, [result["variants"][n]["graph_overhead"] for n in names], color="C0")
