@@ -7,8 +7,10 @@ metadata and never deserializes a tensor (`ingress_tensor_bytes` counts any that
 
 Every request is checked whole before any stage runs, the same way over HTTP and the handle API:
 the graph's RequestLimits, the adapter's request checks, and the prompt check of each required
-scorer that declares one. HTTP bodies are parsed and bounded by contract/http.py before anything
-proportional to them is built; every HTTP answer is JSON, a typed error object for any failure.
+scorer that declares one. The HTTP face (POST /rollout, GET /healthz) is deployments/http.py:
+bodies parsed and bounded by contract/http.py before anything proportional to them is built,
+every answer JSON, a typed error object for any failure. Each result's metrics carry the
+ingress's wall seconds per hop (`ingress_*_s`) beside the stages' own compute seconds.
 """
 from __future__ import annotations
 
