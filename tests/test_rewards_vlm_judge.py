@@ -68,10 +68,14 @@ def test_scores_are_the_models_answers(vlm):
 def test_unparseable_or_out_of_range_answers_fail_their_sample(vlm):
     url, server = vlm
     free = judge(url, score_pattern=r"Score: (\d+)", max_tokens=12)       # free generation
-    start = len(server.answers)
+    start = len(server.exchanges)
     out = free.score(ScoreRequest(_images(2), ("a red cat", "a blue dog")))
     assert out.status == (ScoreStatus.FAILED,) * 2 and out.scores["judge"] == (None, None)
-    assert repr(server.answers[start][:200]) in out.reasons[0]              # the answer, quoted
+    # each sample's reason quotes its own answer (the two requests run concurrently: the
+    # answer to the request that carried sample 0's prompt)
+    [first] = [answer for body, answer in server.exchanges[start:]
+               if "a red cat" in body["messages"][-1]["content"][1]["text"]]
+    assert repr(first[:200]) in out.reasons[0]
     high = judge(url, choices=("12",), choice_field="guided_choice")
     out = high.score(ScoreRequest(_images(1), ("a red cat",)))
     assert out.status == (ScoreStatus.FAILED,) and "outside [0, 10]" in out.reasons[0]

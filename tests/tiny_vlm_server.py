@@ -57,6 +57,7 @@ class TinyVLMServer:
         self.model_name = model_name
         self.model, self.proc = build_tiny_llava()
         self.answers: list[str] = []
+        self.exchanges: list[tuple[dict, str]] = []      # (request body, its answer), answered
         self.requests: list[dict] = []
 
     def complete(self, body: dict) -> str:
@@ -103,6 +104,7 @@ class TinyVLMServer:
                 return JSONResponse({"error": {"message": str(e), "type": "BadRequest"}},
                                     status_code=400)
             self.answers.append(answer)
+            self.exchanges.append((body, answer))
             message = {"role": "assistant", "content": answer}
             return JSONResponse({"id": f"chatcmpl-{len(self.answers)}",
                                  "object": "chat.completion", "model": self.model_name,
