@@ -151,7 +151,7 @@ def run_dp(repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     times = _time_updates(lambda: UPDATES[cfg0.algorithm](local, batch, cfg0, gen), repeats)
     out["in_process"] = _rate(times, 8, f"{os.cpu_count()} torch threads, no Ray")
-    del local
+    local = None                                 # free it before the worker groups load theirs
     gc.collect()
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
              log_to_driver=False, object_store_memory=256 * 2**20, namespace="bench_scale")
