@@ -131,12 +131,6 @@ class PolicyStore:
                                          expected=list(self._order), actual=version)
             return self._policies[version]
 
-    def latest(self) -> PublishedPolicy | None:
-        with self._lock:
-            if not self._restored:
-                raise self._unavailable("policy_store")
-            return self._policies[self._order[-1]] if self._order else None
-
     def latest_version(self) -> str | None:
         """The newest version's name only (a reply without object refs in it: no borrower
         bookkeeping on the path of every request that asks for the latest policy)."""
