@@ -77,20 +77,32 @@ def requests(family, n: int, steps: int, samples: int, tag: str):
 
 
 # ---- 1. single-stage costs --------------------------------------------------------------------
-def measure_stages(clients: int, steps: int, samples: int, rounds: int) -> dict:
-    """Seconds of one stage alone: encoder per request, the others per sample."""
+def _encoder_and_strategy(steps: int, samples: int):
+    """(config, family, encoder, strategy) of the checked graph, built in this process with
+    the classes the deployments use, one torch thread (a replica with num_cpus <= 1)."""
     from adapters.registry import get_family
     from deployments.config import load_graph_config
-    from deployments.decoder import DecoderServer
     from deployments.encoder import TextEncoderServer
-    from rewards.base import ScoreRequest
-    from rewards.registry import build_scorer
     from rollout.strategy import build_strategy
     torch.set_num_threads(1)
     config = load_graph_config(graph_config(steps, samples, 1))
-    family = get_family("tiny_t2i")
-    encoder = TextEncoderServer(config.adapter, config.weights_path, 1, "cpu")
-    strategy = build_strategy(config.rollout, config.limits)
+    return (config, get_family("tiny_t2i"),
+            TextEncoderServer(config.adapter, config.weights_path, 1, "cpu"),
+            build_strategy(config.rollout, config.limits))
+
+
+def _score(scorer, request, image, samples: int):
+    from rewards.base import ScoreRequest
+    return scorer.score(ScoreRequest(artifacts={"image": image},
+                                     prompts=(request.prompt.text,) * samples,
+                                     metadata=tuple({"seed": s} for s in request.sampling.seeds)))
+
+
+def measure_stages(clients: int, steps: int, samples: int, rounds: int) -> dict:
+    """Seconds of one stage alone: encoder per request, the others per sample."""
+    from deployments.decoder import DecoderServer
+    from rewards.registry import build_scorer
+    config, family, encoder, strategy = _encoder_and_strategy(steps, samples)
     decoder = DecoderServer(config.adapter, config.weights_path, "image_latent",
                             config.http.max_preview_pixels)
     scorer = build_scorer(config.scorers[0].scorer)
@@ -108,9 +120,7 @@ def measure_stages(clients: int, steps: int, samples: int, rounds: int) -> dict:
                                       q.request_id, q.sampling)[0] for q, o in zip(batch, outs)]
             t3 = time.perf_counter()
             for q, image in zip(batch, images):
-                scorer.score(ScoreRequest(artifacts={"image": image},
-                                          prompts=(q.prompt.text,) * samples,
-                                          metadata=tuple({"seed": s} for s in q.sampling.seeds)))
+                _score(scorer, q, image, samples)
             t4 = time.perf_counter()
             if r:
                 rows = clients * samples
@@ -123,13 +133,11 @@ def measure_stages(clients: int, steps: int, samples: int, rounds: int) -> dict:
         batch = requests(family, OVERHEAD_REQUESTS, steps, samples, "cpu")
         cpu0 = time.process_time()
         for q in batch:
-            [cond] = [loop.run_until_complete(encoder.encode([q.prompt]))]
+            cond = loop.run_until_complete(encoder.encode([q.prompt]))
             [out] = loop.run_until_complete(_all(strategy, [q], [cond]))
             [image] = decoder._decode(out.artifacts["image_latent"], [decoder.outputs[0]],
                                       q.request_id, q.sampling)
-            scorer.score(ScoreRequest(artifacts={"image": image},
-                                      prompts=(q.prompt.text,) * samples,
-                                      metadata=tuple({"seed": s} for s in q.sampling.seeds)))
+            _score(scorer, q, image, samples)
         stages_cpu_s = (time.process_time() - cpu0) / len(batch)
     finally:
         loop.run_until_complete(strategy.engine.shutdown())
@@ -150,15 +158,7 @@ async def _all(strategy, batch, conds) -> list:
 
 def rollout_alone(clients: int, steps: int, samples: int, rounds: int) -> float:
     """Wall seconds of `rounds` packed rollout rounds in this process (one thread)."""
-    from adapters.registry import get_family
-    from deployments.config import load_graph_config
-    from deployments.encoder import TextEncoderServer
-    from rollout.strategy import build_strategy
-    torch.set_num_threads(1)
-    config = load_graph_config(graph_config(steps, samples, 1))
-    family = get_family("tiny_t2i")
-    encoder = TextEncoderServer(config.adapter, config.weights_path, 1, "cpu")
-    strategy = build_strategy(config.rollout, config.limits)
+    _, family, encoder, strategy = _encoder_and_strategy(steps, samples)
     loop = asyncio.new_event_loop()
     batch = requests(family, clients, steps, samples, "p")
     conds = [loop.run_until_complete(encoder.encode([q.prompt])) for q in batch]
