@@ -64,10 +64,9 @@ class InProcess:
                                      config.http.max_preview_pixels)
         self.scorers = {s.name: build_scorer(s.scorer) for s in config.scorers}
         self.combiner = RewardCombiner(config.reward_config)
-        self.stage_s: dict[str, list[float]] = {k: [] for k in ("encode", "rollout", "decode",
-                                                                "score")}
 
     async def run(self, request):
+        """(image, reward report, seconds per stage)."""
         from rewards.base import ScoreRequest
         t0 = time.perf_counter()
         cond = await self.encoder.encode([request.prompt])
@@ -85,9 +84,8 @@ class InProcess:
         outputs = {name: s.score(score_request) for name, s in self.scorers.items()}
         report = self.combiner(outputs, {name: s.primary for name, s in self.scorers.items()})
         t4 = time.perf_counter()
-        for key, dt in zip(self.stage_s, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            self.stage_s[key].append(dt)
-        return image, report
+        return image, report, {"encode": t1 - t0, "rollout": t2 - t1, "decode": t3 - t2,
+                               "score": t4 - t3}
 
 
 HOP_KEYS = ("ingress_check_s", "ingress_rollout_s", "rollout_stage_s", "run_time_s",
@@ -95,19 +93,28 @@ HOP_KEYS = ("ingress_check_s", "ingress_rollout_s", "rollout_stage_s", "run_time
             "ingress_release_s", "ingress_total_s")
 
 
+def _round(handle, local: InProcess, loop, request) -> tuple:
+    """One graph call (fetching its tensors) then the same request in-process: (the graph's
+    output, seconds until its GraphResult, graph seconds, in-process seconds, in-process
+    seconds per stage)."""
+    from deployments.client import materialize
+    t0 = time.perf_counter()
+    [result] = handle.rollout.remote(request()).result(timeout_s=600)
+    t_call = time.perf_counter() - t0
+    out = materialize(result)
+    dt_graph = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    image, report, stage_s = loop.run_until_complete(local.run(request()))
+    dt_local = time.perf_counter() - t0
+    assert out.artifacts["image"].data.shape == image.data.shape
+    assert len(out.rewards.total) == len(report.total) == len(image.data)
+    return out, t_call, dt_graph, dt_local, stage_s
+
+
 def _ratio(handle, local: InProcess, loop, request, iters: int) -> dict:
     """Graph vs in-process at another request size, alternating, on the deployed graph."""
-    from deployments.client import materialize
-    graph_s, local_s = [], []
-    for i in range(iters + 1):                                     # 1 warm-up round
-        t0 = time.perf_counter()
-        [result] = handle.rollout.remote(request()).result(timeout_s=600)
-        materialize(result)
-        t1 = time.perf_counter()
-        loop.run_until_complete(local.run(request()))
-        if i:
-            graph_s.append(t1 - t0)
-            local_s.append(time.perf_counter() - t1)
+    _round(handle, local, loop, request)                          # warm-up
+    graph_s, local_s = zip(*(_round(handle, local, loop, request)[2:4] for _ in range(iters)))
     g, l = statistics.median(graph_s), statistics.median(local_s)
     sampling = request().sampling
     return {"samples_per_prompt": sampling.samples_per_prompt, "num_steps": sampling.num_steps,
@@ -120,44 +127,35 @@ def measure(config, iters: int, request, local: InProcess, loop,
     """Deploy `config`; alternate graph and in-process calls of the same request; medians."""
     from ray import serve
 
-    from deployments.client import materialize
     from deployments.ingress import tensor_bytes
     from graph import build_app
     t_deploy = time.perf_counter()
     handle = serve.run(build_app(config), name=APP, route_prefix=None)
     deploy_s = time.perf_counter() - t_deploy
-    graph_s, local_s, call_s, delivered = [], [], [], []
+    graph_s, local_s, call_s, delivered, stages = [], [], [], [], []
     hops: dict[str, list[float]] = {k: [] for k in HOP_KEYS}
     try:
         for i in range(iters + 2):                                # 2 warm-up rounds
-            t0 = time.perf_counter()
-            [result] = handle.rollout.remote(request()).result(timeout_s=300)
-            t_call = time.perf_counter() - t0
-            out = materialize(result)
-            dt_graph = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            image, report = loop.run_until_complete(local.run(request()))
-            dt_local = time.perf_counter() - t0
-            assert out.artifacts["image"].data.shape == image.data.shape
-            assert len(out.rewards.total) == len(report.total) == len(image.data)
+            out, t_call, dt_graph, dt_local, stage_s = _round(handle, local, loop, request)
             if i >= 2:
                 graph_s.append(dt_graph)
                 local_s.append(dt_local)
                 call_s.append(t_call)
+                stages.append(stage_s)
                 delivered.append(tensor_bytes(out.artifacts) + tensor_bytes(out.trajectory))
                 for k in HOP_KEYS:
                     hops[k].append(out.metrics[k])
         ingress = handle.stats.remote().result()
-        stage_s = {k: list(v) for k, v in local.stage_s.items()}
         larger = {name: _ratio(handle, local, loop, make, iters // 2)
                   for name, make in (larger_requests or {}).items()}
-        local.stage_s = stage_s
     finally:
         serve.delete(APP)
     g, l = statistics.median(graph_s), statistics.median(local_s)
     med = {k: statistics.median(v) for k, v in hops.items()}
     stage_compute = (med["run_time_s"] + med["decode_image_latent_s"])
     return {"deploy_s": round(deploy_s, 2), "larger_requests": larger,
+            "in_process_stage_median_s": {k: statistics.median(s[k] for s in stages)
+                                          for k in stages[0]},
             "graph_s": {"median": g, "min": min(graph_s), "max": max(graph_s)},
             "in_process_s": {"median": l, "min": min(local_s), "max": max(local_s)},
             "graph_overhead": g / l, "graph_minus_in_process_ms": (g - l) * 1e3,
@@ -223,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         loop.close()
 
-    stages = {k: statistics.median(v[2:]) for k, v in local.stage_s.items()}
     main_run = runs["default"]
     result = {
         "what": "tiny_t2i graph (ingress handle + materialize) vs the same stage code in-process",
@@ -233,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         **{k: main_run[k] for k in ("deploy_s", "graph_s", "in_process_s", "graph_overhead")},
         "graph_overhead_goal": 1.15,
         "fixed_cost_per_request_ms": main_run["graph_minus_in_process_ms"],
-        "in_process_stage_median_s": stages,
+        "in_process_stage_median_s": main_run["in_process_stage_median_s"],
         "at_training_size": main_run["larger_requests"],
         "breakdown": {k: v for k, v in main_run.items()
                       if k.endswith("_ms") and k != "graph_minus_in_process_ms"},
