@@ -105,6 +105,14 @@ def test_handle_rollout_returns_typed_outputs_fetched_from_object_store(graph, a
     scores = out.rewards.by_scorer["image_attributes"]
     assert scores.status == (ScoreStatus.OK, ScoreStatus.OK)
     assert all(0.0 <= r <= 1.0 for r in out.rewards.total)
+    # where the time went: the ingress's wall per hop holds the stages' own compute
+    m = out.metrics
+    assert 0 < m["run_time_s"] <= m["rollout_stage_s"] <= m["ingress_rollout_s"]
+    assert 0 < m["decode_image_latent_s"] <= m["ingress_decode_s"]
+    parts = ("ingress_check_s", "ingress_rollout_s", "ingress_decode_s", "score_s",
+             "ingress_release_s")
+    assert all(m[k] >= 0 for k in parts)
+    assert sum(m[k] for k in parts) <= m["ingress_total_s"] + 1e-6
 
 
 def test_ingress_never_holds_tensor_bytes(graph, adapter):
