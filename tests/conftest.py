@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -40,6 +41,10 @@ def ray_cluster():
              include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              namespace="omni-tests")
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
     yield {"metrics_port": metrics_port, "http_port": http_port}
     serve.shutdown()
     ray.shutdown()
+    # a runtime_env `pip` stage clones the whole venv (~7 GB with torch) into the session's
+    # runtime_resources; Ray leaves it behind, so repeated runs would fill the disk. Logs stay.
+    shutil.rmtree(os.path.join(session_dir, "runtime_resources"), ignore_errors=True)
