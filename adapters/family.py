@@ -251,7 +251,6 @@ class Codec(ABC):
         return NO_MEDIA
 
 
-
 class OneLatentCodec(Codec):
     """A codec whose sampler state is its one latent artifact, as is (`latent_name`)."""
 
@@ -271,6 +270,7 @@ class OneLatentCodec(Codec):
             raise InvalidRequestError(f"{self.label} decodes {self.latent_name!r} only",
                                       field="latent_name", expected=self.latent_name,
                                       actual=latent_name)
+
 
 class ModelFamily(ABC):
     """One model family bound to one checkpoint folder. Construction reads JSON configs only."""
