@@ -37,14 +37,14 @@ def ray_cluster():
     # `_memory`: the logical memory replicas are scheduled by (their memory_mib), fixed so that
     # a machine busy at session start cannot leave a graph unschedulable (serve.run would wait
     # forever); what a replica really holds is bounded by its own guard (deployments/memory.py)
-    ray.init(address="local", num_cpus=12, object_store_memory=512 * 2**20, _memory=48 * 2**30,
-             include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             namespace="omni-tests")
+    context = ray.init(address="local", num_cpus=12, object_store_memory=512 * 2**20,
+                       _memory=48 * 2**30, include_dashboard=False, log_to_driver=False,
+                       _metrics_export_port=metrics_port, namespace="omni-tests")
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    session_dir = ray._private.worker._global_node.get_session_dir_path()
     yield {"metrics_port": metrics_port, "http_port": http_port}
     serve.shutdown()
     ray.shutdown()
     # a runtime_env `pip` stage clones the whole venv (~7 GB with torch) into the session's
     # runtime_resources; Ray leaves it behind, so repeated runs would fill the disk. Logs stay.
-    shutil.rmtree(os.path.join(session_dir, "runtime_resources"), ignore_errors=True)
+    shutil.rmtree(os.path.join(context.address_info["session_dir"], "runtime_resources"),
+                  ignore_errors=True)
