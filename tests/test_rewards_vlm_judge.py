@@ -47,20 +47,25 @@ def test_scores_are_the_models_answers(vlm):
     scorer = judge(url, choices=DIGITS)
     arts = _images()
     prompts = ("a red cat", "a blue dog", "a sign that says OPEN")
-    start = len(server.answers)
+    start = len(server.exchanges)
     out = scorer.score(ScoreRequest(arts, prompts))
-    answers = server.answers[start:]
+    # the samples' requests run concurrently: pair each answer with its sample by its prompt
+    by_prompt = {p: (body, answer) for body, answer in server.exchanges[start:]
+                 for p in prompts if p in body["messages"][-1]["content"][-1]["text"]}
+    assert len(server.exchanges) - start == 3 and sorted(by_prompt) == sorted(prompts)
+    answers = [by_prompt[p][1] for p in prompts]
     assert out.status == (ScoreStatus.OK,) * 3 and all(a in DIGITS for a in answers)
     assert out.scores["raw"] == tuple(float(a) for a in answers)
     assert out.scores["judge"] == tuple(float(a) / 10 for a in answers)
-    # the request carried the image as a PNG data URL (exact pixels) and the templated prompt
-    body = server.requests[start]
-    image_part, text_part = body["messages"][-1]["content"]
-    png = base64.b64decode(image_part["image_url"]["url"].split(",", 1)[1])
+    # each request carried its own sample's image as a PNG data URL (exact pixels) and the
+    # templated prompt
     from PIL import Image
-    sent = np.asarray(Image.open(io.BytesIO(png)))
-    assert np.array_equal(sent, arts["image"].data[0].permute(1, 2, 0).numpy())
-    assert "a red cat" in text_part["text"]
+    for i, p in enumerate(prompts):
+        body = by_prompt[p][0]
+        image_part, text_part = body["messages"][-1]["content"]
+        png = base64.b64decode(image_part["image_url"]["url"].split(",", 1)[1])
+        sent = np.asarray(Image.open(io.BytesIO(png)))
+        assert np.array_equal(sent, arts["image"].data[i].permute(1, 2, 0).numpy())
     assert body["structured_outputs"] == {"choice": list(DIGITS)}
     assert scorer.score(ScoreRequest(arts, prompts)).scores == out.scores      # deterministic
 
