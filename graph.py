@@ -39,8 +39,7 @@ def encoder_options(config: GraphConfig) -> dict[str, Any]:
     enc = config.encoder
     opts.update(TextEncoderServer.deployment_options(
         enc.etp, enc.num_cpus_per_shard, enc.num_cpus, enc.num_gpus, enc.num_gpus_per_shard,
-        enc.device, enc.memory_bytes,
-        None if enc.memory_mib_per_shard is None else enc.memory_mib_per_shard * 2**20))
+        enc.device, enc.memory_bytes, enc.memory_bytes_per_shard))
     return into_bundles(opts)          # custom resources / labels onto the ETP group's bundles
 
 

@@ -42,6 +42,11 @@ class Autoscaling(Model):
         return self
 
 
+def mib_to_bytes(mib: int | None) -> int | None:
+    """A `memory_mib`-style bound in bytes (None: no bound)."""
+    return None if mib is None else mib * 2**20
+
+
 class StageOptions(Model):
     """Resources and scaling of one deployment."""
 
@@ -63,7 +68,7 @@ class StageOptions(Model):
 
     @property
     def memory_bytes(self) -> int | None:
-        return None if self.memory_mib is None else self.memory_mib * 2**20
+        return mib_to_bytes(self.memory_mib)
 
     def deployment_options(self, name: str) -> dict[str, Any]:
         actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -111,6 +116,10 @@ class EncoderStage(StageOptions):
         "replica fails its health check and Serve replaces the group). None = no bound.")
     device: str = Field("cpu", description="torch device of the encoder (and its shards).")
     dtype: str = Field("float32", description="Weights dtype of the text encoders.")
+
+    @property
+    def memory_bytes_per_shard(self) -> int | None:
+        return mib_to_bytes(self.memory_mib_per_shard)
 
 
 class DecoderStage(StageOptions):
