@@ -42,6 +42,17 @@ def _images(n=3, seed=0):
                                                         dtype=torch.uint8))}
 
 
+def _by_prompt(server, start: int, prompts) -> dict[str, tuple[dict, str]]:
+    """The (request, answer) pairs the server answered since `start`, keyed by the prompt each
+    request's text carries: a batch's samples are asked concurrently, so arrival order is not
+    sample order. Each prompt is in exactly one request, and no other request came."""
+    exchanges = server.exchanges[start:]
+    pairs = {p: [(body, answer) for body, answer in exchanges
+                 if p in body["messages"][-1]["content"][-1]["text"]] for p in prompts}
+    assert len(exchanges) == len(prompts) and all(len(v) == 1 for v in pairs.values()), pairs
+    return {p: v[0] for p, v in pairs.items()}
+
+
 def test_scores_are_the_models_answers(vlm):
     url, server = vlm
     scorer = judge(url, choices=DIGITS)
@@ -49,10 +60,7 @@ def test_scores_are_the_models_answers(vlm):
     prompts = ("a red cat", "a blue dog", "a sign that says OPEN")
     start = len(server.exchanges)
     out = scorer.score(ScoreRequest(arts, prompts))
-    # the samples' requests run concurrently: pair each answer with its sample by its prompt
-    by_prompt = {p: (body, answer) for body, answer in server.exchanges[start:]
-                 for p in prompts if p in body["messages"][-1]["content"][-1]["text"]}
-    assert len(server.exchanges) - start == 3 and sorted(by_prompt) == sorted(prompts)
+    by_prompt = _by_prompt(server, start, prompts)
     answers = [by_prompt[p][1] for p in prompts]
     assert out.status == (ScoreStatus.OK,) * 3 and all(a in DIGITS for a in answers)
     assert out.scores["raw"] == tuple(float(a) for a in answers)
@@ -74,13 +82,13 @@ def test_unparseable_or_out_of_range_answers_fail_their_sample(vlm):
     url, server = vlm
     free = judge(url, score_pattern=r"Score: (\d+)", max_tokens=12)       # free generation
     start = len(server.exchanges)
-    out = free.score(ScoreRequest(_images(2), ("a red cat", "a blue dog")))
+    prompts = ("a red cat", "a blue dog")
+    out = free.score(ScoreRequest(_images(2), prompts))
     assert out.status == (ScoreStatus.FAILED,) * 2 and out.scores["judge"] == (None, None)
-    # each sample's reason quotes its own answer (the two requests run concurrently: the
-    # answer to the request that carried sample 0's prompt)
-    [first] = [answer for body, answer in server.exchanges[start:]
-               if "a red cat" in body["messages"][-1]["content"][1]["text"]]
-    assert repr(first[:200]) in out.reasons[0]
+    # each sample's reason quotes its own answer
+    by_prompt = _by_prompt(server, start, prompts)
+    for i, p in enumerate(prompts):
+        assert repr(by_prompt[p][1][:200]) in out.reasons[i]
     high = judge(url, choices=("12",), choice_field="guided_choice")
     out = high.score(ScoreRequest(_images(1), ("a red cat",)))
     assert out.status == (ScoreStatus.FAILED,) and "outside [0, 10]" in out.reasons[0]

@@ -56,7 +56,6 @@ class TinyVLMServer:
     def __init__(self, model_name: str = "tiny-llava"):
         self.model_name = model_name
         self.model, self.proc = build_tiny_llava()
-        self.answers: list[str] = []
         self.exchanges: list[tuple[dict, str]] = []      # (request body, its answer), answered
         self.requests: list[dict] = []
 
@@ -103,10 +102,9 @@ class TinyVLMServer:
             except (KeyError, ValueError) as e:
                 return JSONResponse({"error": {"message": str(e), "type": "BadRequest"}},
                                     status_code=400)
-            self.answers.append(answer)
             self.exchanges.append((body, answer))
             message = {"role": "assistant", "content": answer}
-            return JSONResponse({"id": f"chatcmpl-{len(self.answers)}",
+            return JSONResponse({"id": f"chatcmpl-{len(self.exchanges)}",
                                  "object": "chat.completion", "model": self.model_name,
                                  "choices": [{"index": 0, "finish_reason": "stop",
                                               "message": message}]})
