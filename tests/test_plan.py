@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.plan import (StageCost, allocate, best_split, graph_overhead_per_sample, load_costs,
-                        main, make_plan, predict,
-                        stage_costs)
+                        main, make_plan, predict, stage_costs)
 from contract import ConfigError
 from deployments.config import load_graph_config
 
