@@ -9,14 +9,24 @@ store, so they never pass through the ingress, then tells the graph to release i
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from typing import Sequence
 
 import ray
 from ray import serve
 
 from ray.exceptions import ObjectLostError, RayActorError
+from ray.serve.exceptions import RayServeException
 
 from contract import GraphResult, ReplicaFailedError, RolloutOutput, RolloutRequest
+
+# Releasing is idempotent and the outputs are already fetched when it runs, so a release that
+# lands on an ingress replica dying under it is sent again (Serve routes it to a live one once
+# the death is known) until this budget is spent; then it fails typed and retryable.
+RELEASE_RETRY_BUDGET_S = 120.0
+RELEASE_BACKOFF_S = 1.0     # wait before resend k: min(k x this, RELEASE_BACKOFF_MAX_S)
+RELEASE_BACKOFF_MAX_S = 10.0
 
 
 def materialize(result: GraphResult) -> RolloutOutput:
@@ -64,8 +74,16 @@ class RolloutClient:
         except RayActorError as exc:
             raise _ingress_failed(exc) from exc
         outputs = [materialize(r) for r in results]
-        self.ingress.release.remote([r.request_id for r in results]).result()
-        return outputs
+        ids = [r.request_id for r in results]
+        t0 = time.monotonic()
+        for attempt in itertools.count(1):
+            try:
+                self.ingress.release.remote(ids).result()
+                return outputs
+            except (RayActorError, RayServeException) as exc:
+                _resend_or_raise(exc, attempt, t0)
+                time.sleep(_release_backoff(attempt))
+        raise AssertionError("unreachable")
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         return self.collect(self.submit(requests))
@@ -76,8 +94,32 @@ class RolloutClient:
         except RayActorError as exc:
             raise _ingress_failed(exc) from exc
         outputs = await asyncio.to_thread(lambda: [materialize(r) for r in results])
-        await self.ingress.release.remote([r.request_id for r in results])
-        return outputs
+        ids = [r.request_id for r in results]
+        t0 = time.monotonic()
+        for attempt in itertools.count(1):
+            try:
+                await self.ingress.release.remote(ids)
+                return outputs
+            except (RayActorError, RayServeException) as exc:
+                _resend_or_raise(exc, attempt, t0)
+                await asyncio.sleep(_release_backoff(attempt))
+        raise AssertionError("unreachable")
+
+
+def _release_backoff(attempt: int) -> float:
+    return min(RELEASE_BACKOFF_S * attempt, RELEASE_BACKOFF_MAX_S)
+
+
+def _resend_or_raise(exc: BaseException, attempt: int, t0: float) -> None:
+    """Return when a failed release should be sent again: the ingress replica it reached died
+    (RayActorError, or Serve's exception caused by one) and the budget is not spent."""
+    died = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
+    if not died:
+        raise exc
+    if time.monotonic() - t0 > RELEASE_RETRY_BUDGET_S:
+        raise ReplicaFailedError(f"the ingress replicas died under {attempt} releases of fetched "
+                                 "outputs; retry the requests", field="ingress",
+                                 actual=type(exc).__name__) from exc
 
 
 def _ingress_failed(exc: BaseException) -> ReplicaFailedError:

@@ -35,3 +35,22 @@ class MemoryHog:
             self.held.append(np.ones(step_mib * 2**20, dtype=np.uint8))
             await asyncio.sleep(0.02)
         return len(self.held) * step_mib
+
+
+class IngressDyingInRelease:
+    """A Serve deployment body with the ingress's `rollout` / `release` methods whose first
+    `release` (marked by creating `marker`) kills its own replica while the call is in flight;
+    Serve's replacement answers the next one (the client's resend test uses it)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    async def rollout(self, requests) -> list:
+        return []
+
+    async def release(self, request_ids) -> int:
+        import os
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return len(request_ids)

@@ -4,6 +4,8 @@
   request id is answered exactly once, or fails with ReplicaFailedError (retryable) naming it (or
   StageUnavailableError, when the replacement takes longer than the graph's stage_wait_s) and
   is answered exactly once on retry -- none lost, none twice.
+* The ingress replica dies after answering (the outputs survive it, the release lands on its
+  replacement), or with the caller's release in flight (the client resends it).
 * An optional scorer that raises: the reward is computed from the other scorers and the failed
   one is MISSING with its reason (the required case is in tests/test_graph.py).
 """
@@ -155,3 +157,44 @@ def test_killed_rollout_replica_every_request_answered_once_or_retryable(faults_
     print(f"replica killed: {len(first_round)}/{len(ids)} requests failed with "
           f"ReplicaFailedError ({sorted({e.field for v in first_round.values() for e in v})}), "
           f"all answered exactly once after retry")
+
+
+def test_ingress_dying_after_answering_loses_no_outputs_and_the_release_lands(faults_graph,
+                                                                              adapter):
+    """The outputs are fetched before the release; the ingress replica that answered dies before
+    the release reaches it: the release is resent to its replacement, and the graph's holder
+    drops this request's stage outputs (the trainer's step goes on, nothing left held)."""
+    import ray
+
+    from deployments.client import RolloutClient
+    from deployments.objects import get_object_holder, holder_name
+    holder = get_object_holder(holder_name(APP), create=False)
+    before = ray.get(holder.count.remote())
+    response = faults_graph.rollout.remote([request(adapter, "a red circle at the top left on "
+                                                    "a black background", request_id="ing-1")])
+    [result] = response.result(timeout_s=300)
+    assert ray.get(holder.count.remote()) > before           # the stages' outputs are held
+    [(name, namespace)] = replica_actors(APP, "RolloutGraph")
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    [out] = RolloutClient(faults_graph).collect(response)
+    assert out.request_id == "ing-1" and out.artifacts["image"].data.shape[0] == 2
+    assert ray.get(holder.count.remote()) == before
+    assert replica_actors(APP, "RolloutGraph") != [(name, namespace)]   # a new ingress answered
+
+
+def test_release_in_flight_on_a_dying_ingress_is_resent_to_its_replacement(ray_cluster,
+                                                                           tmp_path):
+    """The release that reached an ingress replica dies with it (ActorDiedError); the client
+    sends it again, Serve's replacement replica answers, and collect returns the outputs."""
+    from ray import serve
+
+    from deployments.client import RolloutClient
+    from tests.serve_utils import IngressDyingInRelease
+    marker = tmp_path / "released_once"
+    handle = serve.run(serve.deployment(IngressDyingInRelease).bind(str(marker)),
+                       name="dying_ingress", route_prefix=None)
+    try:
+        assert RolloutClient(handle).collect(handle.rollout.remote([])) == []
+        assert marker.exists()                            # the first release killed a replica
+    finally:
+        serve.delete("dying_ingress")
