@@ -17,9 +17,9 @@ import ray
 from ray import serve
 
 from ray.exceptions import ObjectLostError, RayActorError
-from ray.serve.exceptions import RayServeException
 
 from contract import GraphResult, ReplicaFailedError, RolloutOutput, RolloutRequest
+from deployments.failures import replica_died
 
 # Releasing is idempotent and the outputs are already fetched when it runs, so a release that
 # lands on an ingress replica dying under it is sent again (Serve routes it to a live one once
@@ -80,7 +80,7 @@ class RolloutClient:
             try:
                 self.ingress.release.remote(ids).result()
                 return outputs
-            except (RayActorError, RayServeException) as exc:
+            except Exception as exc:  # noqa: BLE001 -- anything but a replica death re-raises
                 _resend_or_raise(exc, attempt, t0)
                 time.sleep(_release_backoff(attempt))
         raise AssertionError("unreachable")
@@ -100,7 +100,7 @@ class RolloutClient:
             try:
                 await self.ingress.release.remote(ids)
                 return outputs
-            except (RayActorError, RayServeException) as exc:
+            except Exception as exc:  # noqa: BLE001 -- anything but a replica death re-raises
                 _resend_or_raise(exc, attempt, t0)
                 await asyncio.sleep(_release_backoff(attempt))
         raise AssertionError("unreachable")
@@ -112,9 +112,8 @@ def _release_backoff(attempt: int) -> float:
 
 def _resend_or_raise(exc: BaseException, attempt: int, t0: float) -> None:
     """Return when a failed release should be sent again: the ingress replica it reached died
-    (RayActorError, or Serve's exception caused by one) and the budget is not spent."""
-    died = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
-    if not died:
+    (`replica_died`) and the budget is not spent."""
+    if not replica_died(exc):
         raise exc
     if time.monotonic() - t0 > RELEASE_RETRY_BUDGET_S:
         raise ReplicaFailedError(f"the ingress replicas died under {attempt} releases of fetched "

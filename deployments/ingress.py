@@ -22,39 +22,20 @@ from typing import Any, Mapping, Sequence
 
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
-from ray.serve.exceptions import RayServeException
 
 from adapters.registry import get_family
 from contract import (GraphResult, InvalidRequestError, LimitExceededError, Modality,
-                      ReplicaFailedError, Representation, RewardReport, RolloutError,
-                      RolloutRequest, ScorerFailedError, ScorerOutput, StageOutput,
-                      StageUnavailableError, UnscorableInputError, check_requested_artifacts)
+                      Representation, RewardReport, RolloutError, RolloutRequest,
+                      ScorerFailedError, ScorerOutput, StageOutput, StageUnavailableError,
+                      UnscorableInputError, check_requested_artifacts)
 from deployments.config import GraphConfig
+from deployments.failures import replica_died, replica_failed
 from deployments.http import HTTPFront, stage_error
 from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
 from deployments.objects import get_object_holder, holder_name
 from diffusion.step import doubles_rows
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
-
-# A stage replica died mid-call, or an object it owned (a rollout's latents) died with it.
-_REPLICA_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, ObjectLostError)
-
-
-def replica_died(exc: BaseException) -> bool:
-    """True when `exc` means a replica (or an object it owned) is gone. Serve raises a
-    RayServeException caused by ActorDiedError when an upstream stage of a chained call died."""
-    return (isinstance(exc, _REPLICA_DIED)
-            or isinstance(exc, RayServeException) and isinstance(exc.__cause__, _REPLICA_DIED))
-
-
-def replica_failed(stage: str, exc: BaseException, request_id: str) -> ReplicaFailedError:
-    """The typed, retryable error for a request lost with a replica (or its objects)."""
-    return ReplicaFailedError(f"a {stage} replica died before the request was answered; "
-                              "retry the request", field=stage, actual=type(exc).__name__,
-                              request_id=request_id)
-
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of tensor data inside `obj` (dataclasses, mappings, sequences walked)."""

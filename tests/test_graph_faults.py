@@ -162,8 +162,9 @@ def test_killed_rollout_replica_every_request_answered_once_or_retryable(faults_
 def test_ingress_dying_after_answering_loses_no_outputs_and_the_release_lands(faults_graph,
                                                                               adapter):
     """The outputs are fetched before the release; the ingress replica that answered dies before
-    the release reaches it: the release is resent to its replacement, and the graph's holder
-    drops this request's stage outputs (the trainer's step goes on, nothing left held)."""
+    the release is sent: the outputs survive it (the holder is not the ingress), the release
+    reaches its replacement, and the holder drops this request's stage outputs (the trainer's
+    step goes on, nothing left held)."""
     import ray
 
     from deployments.client import RolloutClient
