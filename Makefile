@@ -22,8 +22,8 @@ setup: $(STAMP)
 # The default suite shares one local Ray cluster; the `cluster` suite starts its own two-node
 # cluster on loopback, so it runs in a pytest process of its own.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q -m cluster tests/test_cluster.py
+	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=10 -m cluster tests/test_cluster.py
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer.demo

@@ -232,23 +232,20 @@ def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, fiel
     assert payload["error"]["type"] and payload["error"]["message"]
 
 
-# Each refused by the HTTP layer as a number or a length, before anything proportional exists.
-OVERSIZED = [({"prompts": [CAPTION], "samples_per_prompt": 10**9}, "samples_per_prompt"),
-             ({"prompts": ["a"] * 10**5}, "prompts"),
-             ({"prompts": [CAPTION], "num_steps": 10**7}, "num_steps"),
-             ({"prompts": [CAPTION], "height": 10**6}, "height"),
-             ({"prompts": ["x" * 800_000]}, "prompts[0]")]
-
-
-def test_oversized_requests_are_refused_fast_without_growing_the_ingress(graph, ray_cluster):
-    """The ingress's own time (Server-Timing) and its peak RSS over 3 of each, from before
-    the first: the peak includes Serve delivering the body (about 4 MiB for 500 KB) and the
-    allocator's first growth, which later requests reuse (measured: 0-11 MiB cold, the
-    10^5-prompt body the largest; <= 3 MiB warm)."""
+def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_cluster):
+    """Each oversized body once to warm the path (Serve's body delivery and the allocator's
+    first growth, 0-11 MiB cold), then 3 of each from a reset peak: the ingress's peak RSS over
+    them stays within a few MiB (<= 3 measured), where 10^9 seeds alone would be GBs. The
+    ingress's own time per refusal (Server-Timing) is printed, not asserted: a few ms here,
+    more on a loaded machine. The allocation-free refusal itself is checked exactly, in process,
+    by tests/test_request_bounds.py."""
+    from tests.http_fuzz import OVERSIZED
     port = ray_cluster["http_port"]
     median_ms: dict[str, float] = {}
     growth_mib: dict[str, float] = {}
     for body, field in OVERSIZED:
+        status, payload, _ = post_timed(port, body)
+        assert status == 413 and payload["error"]["field"] == field, payload
         before = graph.stats.remote(reset_peak=True).result()     # peak RSS restarts here
         times = []
         for _ in range(3):
@@ -260,8 +257,7 @@ def test_oversized_requests_are_refused_fast_without_growing_the_ingress(graph, 
         growth_mib[field] = round((after["peak_rss_bytes"] - before["rss_bytes"]) / 2**20, 2)
     print(f"ingress time per refusal, median of 3 (ms): {median_ms}; ingress peak RSS growth "
           f"(MiB): {growth_mib}")
-    assert max(median_ms.values()) < 50.0, median_ms     # measured by the ingress itself
-    assert max(growth_mib.values()) < 16.0, growth_mib   # 10^9 seeds alone would be GBs
+    assert max(growth_mib.values()) < 16.0, growth_mib
 
 
 DEPLOYMENTS = ("RolloutGraph", "TextEncoder", "DiTRollout", "Decoder_image_latent",

@@ -128,6 +128,32 @@ def _ingress_with_required_scorer():
     return types.SimpleNamespace(scorer_specs={"verifier": spec})
 
 
+def test_oversized_http_bodies_are_refused_before_allocating_what_they_ask_for():
+    """parse_rollout_body refuses each oversized body with a 413 naming the field while the
+    Python memory it traced peaks below twice the body's own bytes plus 64 KiB: proportional at
+    most to the body (itself bounded by max_body_bytes), never to the 10^9 samples, 10^7 steps or
+    10^6 px asked for. tracemalloc counts allocations, so this holds on a loaded machine too."""
+    import json
+    import tracemalloc
+
+    from contract import LimitExceededError
+    from contract.http import parse_rollout_body
+    from tests.http_fuzz import OVERSIZED
+    peaks = {}
+    for body, field in OVERSIZED:
+        data = json.dumps(body).encode()
+        tracemalloc.start()
+        try:
+            with pytest.raises(LimitExceededError) as refused:
+                parse_rollout_body(data, LIMITS)
+            peaks[field] = (tracemalloc.get_traced_memory()[1], len(data))
+        finally:
+            tracemalloc.stop()
+        assert refused.value.field == field and refused.value.http_status == 413, refused.value
+    print(f"traced peak vs body bytes: {peaks}")
+    assert all(peak < 2 * size + 64 * 1024 for peak, size in peaks.values()), peaks
+
+
 @pytest.mark.parametrize("exc, checked, error, status", [
     # the scorer's prompt check: the client's prompt, already naming scorer and request
     (UnscorableInputError("cannot read this prompt", field="prompts[0]"), True,
