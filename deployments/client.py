@@ -19,14 +19,12 @@ from ray import serve
 from ray.exceptions import ObjectLostError, RayActorError
 
 from contract import GraphResult, ReplicaFailedError, RolloutOutput, RolloutRequest
-from deployments.failures import replica_died
+from deployments.failures import RetryBudget, replica_died
 
 # Releasing is idempotent and the outputs are already fetched when it runs, so a release that
 # lands on an ingress replica dying under it is sent again (Serve routes it to a live one once
 # the death is known) until this budget is spent; then it fails typed and retryable.
-RELEASE_RETRY_BUDGET_S = 120.0
-RELEASE_BACKOFF_S = 1.0     # wait before resend k: min(k x this, RELEASE_BACKOFF_MAX_S)
-RELEASE_BACKOFF_MAX_S = 10.0
+RELEASE_RETRY = RetryBudget(step_s=1.0, max_step_s=10.0, budget_s=120.0)
 
 
 def materialize(result: GraphResult) -> RolloutOutput:
@@ -73,6 +71,20 @@ class RolloutClient:
             results = response.result()
         except RayActorError as exc:
             raise _ingress_failed(exc) from exc
+        return self._fetch_and_release(results)
+
+    def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        return self.collect(self.submit(requests))
+
+    async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
+        """`rollout` from async code: the fetch and the release run in a thread, off the loop."""
+        try:
+            results = await self.submit(requests)
+        except RayActorError as exc:
+            raise _ingress_failed(exc) from exc
+        return await asyncio.to_thread(self._fetch_and_release, results)
+
+    def _fetch_and_release(self, results: Sequence[GraphResult]) -> list[RolloutOutput]:
         outputs = [materialize(r) for r in results]
         ids = [r.request_id for r in results]
         t0 = time.monotonic()
@@ -82,32 +94,8 @@ class RolloutClient:
                 return outputs
             except Exception as exc:  # noqa: BLE001 -- anything but a replica death re-raises
                 _resend_or_raise(exc, attempt, t0)
-                time.sleep(_release_backoff(attempt))
+                RELEASE_RETRY.wait(attempt)
         raise AssertionError("unreachable")
-
-    def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
-        return self.collect(self.submit(requests))
-
-    async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
-        try:
-            results = await self.submit(requests)
-        except RayActorError as exc:
-            raise _ingress_failed(exc) from exc
-        outputs = await asyncio.to_thread(lambda: [materialize(r) for r in results])
-        ids = [r.request_id for r in results]
-        t0 = time.monotonic()
-        for attempt in itertools.count(1):
-            try:
-                await self.ingress.release.remote(ids)
-                return outputs
-            except Exception as exc:  # noqa: BLE001 -- anything but a replica death re-raises
-                _resend_or_raise(exc, attempt, t0)
-                await asyncio.sleep(_release_backoff(attempt))
-        raise AssertionError("unreachable")
-
-
-def _release_backoff(attempt: int) -> float:
-    return min(RELEASE_BACKOFF_S * attempt, RELEASE_BACKOFF_MAX_S)
 
 
 def _resend_or_raise(exc: BaseException, attempt: int, t0: float) -> None:
@@ -115,7 +103,7 @@ def _resend_or_raise(exc: BaseException, attempt: int, t0: float) -> None:
     (`replica_died`) and the budget is not spent."""
     if not replica_died(exc):
         raise exc
-    if time.monotonic() - t0 > RELEASE_RETRY_BUDGET_S:
+    if RELEASE_RETRY.spent(t0):
         raise ReplicaFailedError(f"the ingress replicas died under {attempt} releases of fetched "
                                  "outputs; retry the requests", field="ingress",
                                  actual=type(exc).__name__) from exc

@@ -2,8 +2,12 @@
 
 The ingress maps a stage replica's death to ReplicaFailedError (retryable); the trainer's client
 uses the same test on the ingress itself (a release lost with the replica it reached is resent).
+Whoever sends again waits by one RetryBudget.
 """
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError
 from ray.serve.exceptions import RayServeException
@@ -26,3 +30,20 @@ def replica_failed(stage: str, exc: BaseException, request_id: str) -> ReplicaFa
     return ReplicaFailedError(f"a {stage} replica died before the request was answered; "
                               "retry the request", field=stage, actual=type(exc).__name__,
                               request_id=request_id)
+
+
+@dataclass(frozen=True)
+class RetryBudget:
+    """Send again after a retryable failure: wait min(k x step_s, max_step_s) before attempt
+    k + 1, for as long as `budget_s` seconds have not passed since the first attempt."""
+
+    step_s: float
+    max_step_s: float
+    budget_s: float
+
+    def wait(self, attempt: int) -> None:
+        time.sleep(min(self.step_s * attempt, self.max_step_s))
+
+    def spent(self, started: float) -> bool:
+        """`started`: time.monotonic() at the first attempt."""
+        return time.monotonic() - started > self.budget_s

@@ -23,6 +23,7 @@ from adapters.registry import get_family
 from contract import (Algorithm, PolicyKind, PromptBundle, RolloutError, RolloutOutput,
                       RolloutRequest, SamplerKind)
 from deployments.client import RolloutClient
+from deployments.failures import RetryBudget
 from trainer import checks
 from trainer.algorithms import old_decay
 from trainer.checkpointing import TrainerCheckpoints
@@ -39,9 +40,7 @@ from trainer.rollout_batch import build_batch, canonical_media
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).
-ROLLOUT_RETRY_BUDGET_S = 600.0
-RETRY_BACKOFF_S = 2.0     # wait before resubmission k: min(k x this, RETRY_BACKOFF_MAX_S)
-RETRY_BACKOFF_MAX_S = 20.0
+ROLLOUT_RETRY = RetryBudget(step_s=2.0, max_step_s=20.0, budget_s=600.0)
 
 
 @dataclass
@@ -140,17 +139,17 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         """Outputs of a submitted batch; outputs lost to a retryable failure (a replica died:
         ReplicaFailedError; a stage or the policy store briefly unavailable:
         StageUnavailableError) are resampled with the same requests (same seeds and version)
-        until ROLLOUT_RETRY_BUDGET_S has passed, with a growing wait between attempts, counted
+        until ROLLOUT_RETRY's budget has passed, with a growing wait between attempts, counted
         in `rollout_retries`; a restarted policy store gets this run's versions back first."""
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         for attempt in itertools.count(1):
             try:
                 return self.client.collect(pending.response), time.perf_counter() - t0
             except RolloutError as exc:
-                if not exc.retryable or time.perf_counter() - t0 > ROLLOUT_RETRY_BUDGET_S:
+                if not exc.retryable or ROLLOUT_RETRY.spent(started):
                     raise
                 self.rollout_retries += 1
-                time.sleep(min(RETRY_BACKOFF_S * attempt, RETRY_BACKOFF_MAX_S))
+                ROLLOUT_RETRY.wait(attempt)
                 self.publisher.ensure_store()
                 pending.response = self.client.submit(pending.requests)
         raise AssertionError("unreachable")
