@@ -292,7 +292,7 @@ def velocity_change(setup: Setup, side: int) -> float:
 
 
 @torch.no_grad()
-def strengthen_adapter(setup: Setup, side: int) -> tuple[dict[str, torch.Tensor], float]:
+def strengthen_adapter(setup: Setup, side: int) -> tuple[dict[str, torch.Tensor], float, float]:
     """The learner's trained adapter with lora_B redrawn (seeded by `side`) so the velocity
     moves by ~VELOCITY_CHANGE (a few optimizer steps from B = 0 leave it ~1e-3, too small for
     parity to tell a wrong or missing adapter); loaded back into the learner. B is drawn so each
@@ -300,7 +300,7 @@ def strengthen_adapter(setup: Setup, side: int) -> tuple[dict[str, torch.Tensor]
     |scale B A x| / |W x| ~ scale std(B) sqrt(3 in)), then rescaled (at most VELOCITY_RESCALES
     times) by the measured change of the whole velocity until it is within VELOCITY_CHANGE_RTOL
     (layers and norms do not pass a per-layer change on unchanged, nor linearly).
-    Returns the tensors and the velocity change they give."""
+    Returns the tensors, the adapter's scale and the velocity change they give."""
     from trainer.lora import TRAIN_ADAPTER
     packed, scale = setup.learner.export_packed()
     tensors = dict(packed.unpack())
@@ -322,7 +322,7 @@ def strengthen_adapter(setup: Setup, side: int) -> tuple[dict[str, torch.Tensor]
             tensors[key] = tensors[key] * (VELOCITY_CHANGE / change)
         setup.learner.load_adapter(TRAIN_ADAPTER, tensors)
         change = velocity_change(setup, side)
-    return tensors, change
+    return tensors, scale, change
 
 
 @torch.no_grad()
@@ -334,8 +334,7 @@ def parity(setup: Setup, side: int) -> dict:
     from trainer.algorithms import recompute_step
     from trainer.config import FlowGRPOConfig
     from trainer.lora import PolicyRole
-    tensors, change = strengthen_adapter(setup, side)
-    _, scale = setup.learner.export_packed()
+    tensors, scale, change = strengthen_adapter(setup, side)
     version = f"learner-{side}"
     setup.engine.load_lora(version, tensors, scale)
     request, result, cond, uncond = group_rollout(setup, side, version, first=30_000 + side)
