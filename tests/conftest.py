@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 import pytest
+
+from bench.loopback import free_port
 
 pytest_plugins = ["tests.checkpoints"]   # tiny_checkpoint(family): real-layout tiny checkpoints
 
@@ -19,12 +20,6 @@ os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

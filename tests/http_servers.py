@@ -5,7 +5,7 @@ import contextlib
 import threading
 import time
 
-from tests.conftest import free_port
+from bench.loopback import free_port
 
 
 @contextlib.contextmanager

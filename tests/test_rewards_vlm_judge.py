@@ -14,7 +14,7 @@ from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.combine import RewardConfig, ScorerWeight, run_scorers
 from rewards.registry import ScorerSpec, build_scorer
-from tests.conftest import free_port
+from bench.loopback import free_port
 from tests.http_servers import serve
 
 IMAGE = ArtifactSpec("image", "image", "decoded", "CHW", source="image_latent")
