@@ -25,9 +25,10 @@ from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
-from deployments.objects import holder_name
+from deployments.objects import get_object_holder, holder_name
 from deployments.placement import (StageDemand, check_placement, demand_from_options,
                                    into_bundles, live_nodes)
+from deployments.policy_store import get_policy_store
 from deployments.rollout import DiTRolloutServer
 from deployments.scorer import ScorerServer
 
@@ -121,6 +122,23 @@ def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
 
 
 app = build_app(DEFAULT_CONFIG)
+
+
+def delete_graph(args: dict[str, Any] | str | Path | GraphConfig) -> None:
+    """Take a deployed graph down whole: its Serve application, then the detached actors it
+    made, its ObjectHolder and its policy store with every stored version. `serve.delete` alone
+    leaves those two running by design (a redeployed graph or a restarted trainer finds the
+    versions again); this is for when the graph is done with."""
+    import ray
+    config = load_graph_config(args)
+    serve.delete(config.app_name)
+    for lookup, name in ((get_object_holder, holder_name(config.app_name)),
+                         (get_policy_store, config.policy_store)):
+        try:
+            actor = lookup(name, create=False)
+        except ValueError:          # never created
+            continue
+        ray.kill(actor, no_restart=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

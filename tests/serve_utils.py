@@ -1,4 +1,5 @@
-"""Finding a deployment's replica actors (fault-injection tests kill them)."""
+"""Finding a deployment's replica actors (fault-injection tests kill them) and waiting until
+requests are inside one."""
 from __future__ import annotations
 
 
@@ -7,6 +8,22 @@ def replica_actors(app: str, deployment: str) -> list[tuple[str, str]]:
     import ray
     return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+
+
+def wait_until_ongoing(replica: tuple[str, str], at_least: int, timeout_s: float = 120.0) -> int:
+    """Block until the replica actor (name, namespace) holds `at_least` ongoing requests (Serve's
+    own count, answered off the replica's event loop), so a kill surely lands on them."""
+    import time
+
+    import ray
+    actor = ray.get_actor(*replica)
+    deadline = time.monotonic() + timeout_s
+    while (ongoing := ray.get(actor.get_num_ongoing_requests.remote())) < at_least:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{replica[0]} holds {ongoing} requests, not {at_least}, after "
+                               f"{timeout_s} s")
+        time.sleep(0.05)
+    return ongoing
 
 
 class MemoryHog:

@@ -36,12 +36,12 @@ def graph_config(family: str, root) -> dict:
 def deployed(request, ray_cluster, tiny_checkpoint):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     family = request.param
     config = graph_config(family, tiny_checkpoint(family))
     serve.run(build_app(config), name=config["app_name"], route_prefix=f"/{family}")
     yield family, config, ray_cluster["http_port"]
-    serve.delete(config["app_name"])
+    delete_graph(config)
 
 
 def trainer_config(tmp_path, family, config, algorithm: Algorithm, **over):

@@ -49,13 +49,13 @@ def graph_args(root, clap_dir) -> dict:
 def deployed(ray_cluster, tiny_checkpoint, tmp_path_factory):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     from rewards.snapshots import write_clap_dir
     root = tiny_checkpoint("ltx2")
     args = graph_args(root, write_clap_dir(tmp_path_factory.mktemp("clap_tiny")))
     handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield {"handle": handle, "args": args, "root": root, "port": ray_cluster["http_port"]}
-    serve.delete(APP)
+    delete_graph(args)
 
 
 def probe_mp4(url: str) -> dict:

@@ -29,13 +29,13 @@ def overrides(family: str, root) -> dict:
 def deployed(request, ray_cluster, tiny_checkpoint):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     family = request.param
     over = overrides(family, tiny_checkpoint(family))
     graph = load_trainer_config({"graph": GRAPH}, over).graph_config()
     serve.run(build_app(graph), name=graph.app_name, route_prefix=f"/{family}")
     yield family, over, ray_cluster["http_port"]
-    serve.delete(graph.app_name)
+    delete_graph(graph)
 
 
 def trainer_config(tmp_path, over, algorithm: Algorithm):

@@ -15,6 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
+from bench.refusal_bench import LIMITS as OVERSIZED_LIMITS
+from bench.refusal_bench import OVERSIZED
 from contract import (ConfigError, GraphResult, MediaArtifact, PackedTensors, PolicyVersionError,
                       RequestLimits, RolloutRequest, SamplingSpec, ScoreStatus, Task,
                       UndeclaredArtifactError, UnscorableInputError)
@@ -37,8 +39,7 @@ def small_config(**over):
         "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
                      "inputs": ["image"], "reward": {"policy": "required"},
                      "stage": {"memory_mib": 768}}],
-        "limits": {"max_prompts": 4, "max_samples_per_prompt": 8, "max_steps": 20,
-                   "max_height": 32, "max_width": 32, "max_frames": 1},
+        "limits": dict(OVERSIZED_LIMITS),   # what bench/refusal_bench.py's bodies exceed
         "policy_store": "graph_test_store",
     }
     cfg.update(over)
@@ -49,10 +50,18 @@ def small_config(**over):
 def graph(ray_cluster):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     handle = serve.run(build_app(small_config()), name=APP, route_prefix=PREFIX)
     yield handle
-    serve.delete(APP)
+    delete_graph(small_config())     # the app, its object holder and its policy store go
+    import ray
+
+    from deployments.objects import holder_name
+    names = {holder_name(APP), small_config()["policy_store"]}
+    deadline = time.monotonic() + 60
+    while names & {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
+        assert time.monotonic() < deadline, f"{names} still alive after delete_graph"
+        time.sleep(0.2)
 
 
 def make_request(adapter, text, seeds=(0, 1), steps=4, **kw) -> RolloutRequest:
@@ -113,6 +122,27 @@ def test_handle_rollout_returns_typed_outputs_fetched_from_object_store(graph, a
              "ingress_release_s")
     assert all(m[k] >= 0 for k in parts)
     assert sum(m[k] for k in parts) <= m["ingress_total_s"] + 1e-6
+
+
+def test_async_rollout_equals_the_sync_one_and_releases(graph, adapter):
+    """From async code (the fetch and release in a thread): the same seeds give the same media
+    as `rollout`, and the graph's object holder is back to its count after each."""
+    import asyncio
+
+    import ray
+
+    from deployments.client import RolloutClient
+    from deployments.objects import get_object_holder, holder_name
+    client = RolloutClient(graph)
+    holder = get_object_holder(holder_name(APP), create=False)
+    before = ray.get(holder.count.remote())
+    text = "a green triangle at the bottom right on a black background"
+    [sync] = client.rollout([make_request(adapter, text)])
+    assert ray.get(holder.count.remote()) == before
+    [async_] = asyncio.run(client.rollout_async([make_request(adapter, text)]))
+    assert ray.get(holder.count.remote()) == before
+    assert async_.seeds == sync.seeds
+    assert torch.equal(async_.artifacts["image"].data, sync.artifacts["image"].data)
 
 
 def test_ingress_never_holds_tensor_bytes(graph, adapter):
@@ -239,7 +269,6 @@ def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_c
     ingress's own time per refusal (Server-Timing) is printed, not asserted: a few ms here,
     more on a loaded machine. The allocation-free refusal itself is checked exactly, in process,
     by tests/test_request_bounds.py."""
-    from tests.http_fuzz import OVERSIZED
     port = ray_cluster["http_port"]
     median_ms: dict[str, float] = {}
     growth_mib: dict[str, float] = {}

@@ -53,10 +53,10 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.5) -> float | None:
 def autoscale_graph(ray_cluster):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     handle = serve.run(build_app(autoscale_config()), name=APP, route_prefix=None)
     yield handle
-    serve.delete(APP)
+    delete_graph(autoscale_config())
 
 
 def test_config_maps_to_serve_autoscaling_options():

@@ -19,7 +19,7 @@ import pytest
 
 from contract import (ReplicaFailedError, RolloutRequest, SamplingSpec, ScoreStatus,
                       StageUnavailableError, Task)
-from tests.serve_utils import replica_actors
+from tests.serve_utils import replica_actors, wait_until_ongoing
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +30,7 @@ APP = "graph_faults"
 def faults_graph(ray_cluster, tmp_path_factory):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     from rewards.snapshots import write_clip_dir
     clip_model = write_clip_dir(tmp_path_factory.mktemp("clip_tiny"))
     config = {
@@ -50,7 +50,7 @@ def faults_graph(ray_cluster, tmp_path_factory):
     }
     handle = serve.run(build_app(config), name=APP, route_prefix=None)
     yield handle
-    serve.delete(APP)
+    delete_graph(config)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_killed_rollout_replica_every_request_answered_once_or_retryable(faults_
 
     with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
         futures = [pool.submit(call, rid) for rid in ids]
-        time.sleep(1.0)                      # requests are queued / running in the replica
+        wait_until_ongoing((name, namespace), 1)      # requests are queued / running in it
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
         concurrent.futures.wait(futures, timeout=400)
     assert not other, [repr(e) for e in other]

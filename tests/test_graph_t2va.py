@@ -38,12 +38,13 @@ def t2va_config(clap_dir: str) -> dict:
 def t2va_graph(ray_cluster, tmp_path_factory):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     from rewards.snapshots import write_clap_dir
     clap_dir = write_clap_dir(tmp_path_factory.mktemp("clap_tiny"))
-    handle = serve.run(build_app(t2va_config(str(clap_dir))), name=APP, route_prefix=None)
+    config = t2va_config(str(clap_dir))
+    handle = serve.run(build_app(config), name=APP, route_prefix=None)
     yield handle
-    serve.delete(APP)
+    delete_graph(config)
 
 
 @pytest.fixture(scope="module")

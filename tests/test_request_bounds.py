@@ -136,16 +136,17 @@ def test_oversized_http_bodies_are_refused_before_allocating_what_they_ask_for()
     import json
     import tracemalloc
 
+    from bench.refusal_bench import LIMITS as BENCH_LIMITS
+    from bench.refusal_bench import OVERSIZED
     from contract import LimitExceededError
     from contract.http import parse_rollout_body
-    from tests.http_fuzz import OVERSIZED
-    peaks = {}
+    limits, peaks = RequestLimits(**BENCH_LIMITS), {}
     for body, field in OVERSIZED:
         data = json.dumps(body).encode()
         tracemalloc.start()
         try:
             with pytest.raises(LimitExceededError) as refused:
-                parse_rollout_body(data, LIMITS)
+                parse_rollout_body(data, limits)
             peaks[field] = (tracemalloc.get_traced_memory()[1], len(data))
         finally:
             tracemalloc.stop()

@@ -20,7 +20,7 @@ def graph(ray_cluster):
     pytest.importorskip("rapidocr_onnxruntime")
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     cfg = {"app_name": APP, "rollout": {"adapter": "tiny_t2i"},
            "rollout_stage": {"num_cpus": 0.5},
            "scorers": [{"name": "ocr", "scorer": {"kind": "ocr"}, "inputs": ["image"],
@@ -30,7 +30,7 @@ def graph(ray_cluster):
            "policy_store": "graph_rewards_store"}
     handle = serve.run(build_app(cfg), name=APP, route_prefix=PREFIX)
     yield handle
-    serve.delete(APP)
+    delete_graph(cfg)
 
 
 def _post(port, body):

@@ -9,7 +9,7 @@ import torch
 from adapters.tiny_t2i import SHIPPED_WEIGHTS
 from contract import Algorithm, StartupCheckError, TimeConvention
 from trainer import checks
-from tests.serve_utils import replica_actors
+from tests.serve_utils import replica_actors, wait_until_ongoing
 from tests.lora_utils import swap_qk
 from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import load_trainer_config
@@ -134,7 +134,7 @@ def test_lost_rollout_is_resampled_with_the_same_requests(graph, tmp_path):
     name, namespace = _rollout_replica_actor()
     serve.get_deployment_handle("DiTRollout", app_name=APP).sleep.remote().result()
     pending = Pending(0, [], requests, trainer.client.submit(requests), time.perf_counter())
-    time.sleep(1.5)                                  # encoded and handed to the rollout stage
+    wait_until_ongoing((name, namespace), len(requests))   # encoded, queued in the replica
     ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
     outputs, _ = trainer.collect(pending)
     assert trainer.rollout_retries >= 1
@@ -160,3 +160,4 @@ def test_publisher_keeps_the_published_snapshot(ray_cluster):
     stored = ray.get(ray.get(publisher.store.get.remote(version)).tensors[0]).unpack()
     assert all(torch.equal(stored[k], held[k]) for k in tensors)
     assert set(publisher.last_phases) == {"pack_s", "put_s", "register_s"}
+    ray.kill(publisher.store, no_restart=True)

@@ -72,7 +72,7 @@ def test_the_tiny_config_is_the_gpu_recipe():
 def test_the_tiny_sd3_config_trains_through_the_cli(ray_cluster, tiny_checkpoint, tmp_path):
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     sets = [f"graph.rollout.weights_path={tiny_checkpoint('sd3')}", "steps=2",
             f"run_dir={tmp_path}", "eval.every=2", "checkpoint_every=2", "gallery=false"]
     graph = load_trainer_config(TINY, parse_overrides(sets)).graph_config()
@@ -80,7 +80,7 @@ def test_the_tiny_sd3_config_trains_through_the_cli(ray_cluster, tiny_checkpoint
     try:
         main(["--config", TINY, *[a for item in sets for a in ("--set", item)]])
     finally:
-        serve.delete(graph.app_name)
+        delete_graph(graph)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train_s" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -30,11 +30,11 @@ def serve_graph(graph: dict) -> Iterator:
     its app, yield its GraphConfig, delete the app after the module."""
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app, delete_graph
     cfg = load_trainer_config({"graph": graph}).graph_config()
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=None)
     yield cfg
-    serve.delete(cfg.app_name)
+    delete_graph(cfg)
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
