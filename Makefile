@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# The default suite shares one local Ray cluster; the `cluster` suite starts its own two-node
-# cluster on loopback, so it runs in a pytest process of its own.
+# The default suite shares one local Ray cluster; the `network` suite needs the package index
+# (skipped offline); the `cluster` suite starts its own two-node cluster on loopback, so it runs
+# in a pytest process of its own.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=10 -m network
 	$(BIN)/python -m pytest -q --durations=10 -m cluster tests/test_cluster.py
 
 demo: $(STAMP)
