@@ -7,8 +7,8 @@ OVERSIZED (10^9 samples, 10^5 prompts, 10^7 steps, 10^6 px, an 800 KB prompt) an
 request (1 prompt x 4 samples x 8 steps, the baseline: what the same path costs doing real work)
 are posted once to warm up and then `iters` times. Per case: the ingress's own time (its
 Server-Timing header), the client's round trip, `parse_rollout_body` alone in this process, and
-the ingress's peak RSS growth over the timed posts (from a reset peak). `vs_valid` = a
-refusal's ingress time / the valid request's.
+the ingress's peak RSS growth over the timed posts (from a reset peak) and what it still holds
+after them (`rss_retained_mib`). `vs_valid` = a refusal's ingress time / the valid request's.
 Writes bench/results/refusal.json + refusal.png.
 """
 from __future__ import annotations
@@ -78,6 +78,7 @@ def measure_case(port: int, graph, data: bytes, iters: int, expect: int) -> dict
             "round_trip_ms": round(statistics.median(trips), 3),
             "peak_rss_growth_mib": round((after["peak_rss_bytes"] - before["rss_bytes"]) / 2**20,
                                          2),
+            "rss_retained_mib": round((after["rss_bytes"] - before["rss_bytes"]) / 2**20, 2),
             "field": payload["error"]["field"] if "error" in payload else None}
 
 

@@ -264,11 +264,13 @@ def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, fiel
 
 def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_cluster):
     """Each oversized body once to warm the path (Serve's body delivery and the allocator's
-    first growth, 0-11 MiB cold), then 3 of each from a reset peak: the ingress's peak RSS over
-    them stays within a few MiB (<= 3 measured), where 10^9 seeds alone would be GBs. The
-    ingress's own time per refusal (Server-Timing) is printed, not asserted: a few ms here,
-    more on a loaded machine. The allocation-free refusal itself is checked exactly, in process,
-    by tests/test_request_bounds.py."""
+    first growth), then 3 of each from a reset peak: the ingress's peak RSS over them stays
+    under 64 MiB, where 10^9 seeds alone would be 8 GB. Measured: 0 MiB for the small bodies;
+    8.5 MiB for the 500 KB one, which malloc's arenas keep a while (bench/refusal_bench.py: 16.8
+    over 10 posts, 24.9 over 40, given back later; not a leak). The ingress's own time per
+    refusal (Server-Timing) is printed, not asserted (bench/results/refusal.json has it beside a
+    valid request's). The allocation-free refusal itself is checked exactly, in process, by
+    tests/test_request_bounds.py."""
     port = ray_cluster["http_port"]
     median_ms: dict[str, float] = {}
     growth_mib: dict[str, float] = {}
@@ -286,7 +288,7 @@ def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_c
         growth_mib[field] = round((after["peak_rss_bytes"] - before["rss_bytes"]) / 2**20, 2)
     print(f"ingress time per refusal, median of 3 (ms): {median_ms}; ingress peak RSS growth "
           f"(MiB): {growth_mib}")
-    assert max(growth_mib.values()) < 16.0, growth_mib
+    assert max(growth_mib.values()) < 64.0, growth_mib
 
 
 DEPLOYMENTS = ("RolloutGraph", "TextEncoder", "DiTRollout", "Decoder_image_latent",
