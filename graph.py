@@ -122,23 +122,38 @@ def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
 
 
 app = build_app(DEFAULT_CONFIG)
+DELETE_TIMEOUT_S = 60.0     # delete_graph: for Ray to finish killing the two detached actors
 
 
 def delete_graph(args: dict[str, Any] | str | Path | GraphConfig) -> None:
     """Take a deployed graph down whole: its Serve application, then the detached actors it
     made, its ObjectHolder and its policy store with every stored version. `serve.delete` alone
     leaves those two running by design (a redeployed graph or a restarted trainer finds the
-    versions again); this is for when the graph is done with."""
+    versions again); this is for when the graph is done with. Returns once both names are free,
+    so a graph deployed next under the same names gets new actors, not the dying ones."""
+    import time
+
     import ray
     config = load_graph_config(args)
     serve.delete(config.app_name)
-    for lookup, name in ((get_object_holder, holder_name(config.app_name)),
-                         (get_policy_store, config.policy_store)):
+    lookups = ((get_object_holder, holder_name(config.app_name)),
+               (get_policy_store, config.policy_store))
+    for lookup, name in lookups:
         try:
-            actor = lookup(name, create=False)
+            ray.kill(lookup(name, create=False), no_restart=True)
         except ValueError:          # never created
-            continue
-        ray.kill(actor, no_restart=True)
+            pass
+    deadline = time.monotonic() + DELETE_TIMEOUT_S
+    for lookup, name in lookups:
+        while True:
+            try:
+                lookup(name, create=False)
+            except ValueError:      # gone: the name is free
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor {name!r} still alive {DELETE_TIMEOUT_S} s after "
+                                   "ray.kill")
+            time.sleep(0.1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
