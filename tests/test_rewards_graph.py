@@ -17,7 +17,6 @@ APP, PREFIX = "graph_rewards", "/graph_rewards"
 
 @pytest.fixture(scope="module")
 def graph(ray_cluster):
-    pytest.importorskip("rapidocr_onnxruntime")
     from ray import serve
 
     from graph import build_app, delete_graph

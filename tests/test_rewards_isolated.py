@@ -50,7 +50,6 @@ def test_scorer_runs_in_its_own_runtime_env(ray_cluster):
 
     from deployments.scorer import ScorerServer
 
-    pytest.importorskip("rapidocr_onnxruntime")
     assert importlib.util.find_spec("textdistance") is None, "the main venv must lack it"
     if not _index_reachable():
         pytest.skip("package index not reachable: runtime_env pip cannot install")

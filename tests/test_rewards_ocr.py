@@ -34,7 +34,6 @@ def meta(*targets):
 
 @pytest.fixture(scope="module")
 def ocr():
-    pytest.importorskip("rapidocr_onnxruntime")
     from rewards.registry import ScorerSpec, build_scorer
     return build_scorer(ScorerSpec(kind="ocr"))
 

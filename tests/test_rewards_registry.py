@@ -34,8 +34,6 @@ def test_bad_params_are_config_errors():
 @pytest.mark.parametrize("kind", ["image_attributes", "av_sync", "pitch_color",
                                   "condition_frame"])
 def test_builds_verifiers(kind):
-    pytest.importorskip("rewards.verifiers.av")
-    pytest.importorskip("rewards.verifiers.image")
     scorer = build_scorer(ScorerSpec(kind=kind))
     assert isinstance(scorer, Scorer)
     with pytest.raises(ConfigError) as e:

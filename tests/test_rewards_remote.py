@@ -36,7 +36,6 @@ def remote(url, **kw):
 
 @pytest.fixture(scope="module")
 def ocr_server():
-    pytest.importorskip("rapidocr_onnxruntime")
     from rewards.reward_server import build_app
     local = build_scorer(ScorerSpec(kind="ocr"))
     with serve(build_app(local)) as url:

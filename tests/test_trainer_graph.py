@@ -31,7 +31,7 @@ def trainer_config(tmp_path, algorithm: Algorithm, mode: str = "async", **over):
            "dpo": {"draws_per_pair": 1},
            "pipeline": {"mode": mode, "max_staleness": 1},
            "eval": {"every": 2, "num_prompts": 2, "samples_per_prompt": 1, "num_steps": 3},
-           "checks": {"time_convention": SHIPPED_WEIGHTS.is_dir()},
+           "checks": {"time_convention": True},
            "run_dir": str(tmp_path / algorithm.value), "checkpoint_every": 1, "gallery": True}
     cfg.update(over)
     return load_trainer_config(cfg)
@@ -103,12 +103,12 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
         checks.check_token_ids(altered, outputs, names)
     assert e.value.field == "encoded_token_ids.minilm"
 
-    if SHIPPED_WEIGHTS.is_dir():   # the flip removed: declare the other convention
-        monkeypatch.setattr(trainer.family.denoiser, "time_convention",
-                            TimeConvention.DATA_PROGRESS)
-        with pytest.raises(StartupCheckError) as e:
-            trainer.startup_checks()
-        assert e.value.field == "adapter.time_convention"
+    assert SHIPPED_WEIGHTS.is_dir(), f"package data missing: {SHIPPED_WEIGHTS}"
+    # the flip removed: declare the other convention
+    monkeypatch.setattr(trainer.family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
+    with pytest.raises(StartupCheckError) as e:
+        trainer.startup_checks()
+    assert e.value.field == "adapter.time_convention"
 
 
 def _rollout_replica_actor() -> tuple[str, str]:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.tiny_t2va import SHIPPED_WEIGHTS
 from contract import Algorithm, StartupCheckError, TimeConvention
 from tests.trainer_helpers import metric_rows, serve_graph, tiny_graph, train_steps
 from trainer.config import load_trainer_config
 
-pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.skipif(not SHIPPED_WEIGHTS.is_dir(), reason="tiny_t2va weights")]
+pytestmark = pytest.mark.timeout(900)
 
 APP = "trainer_t2va"
 AV_SCORERS = [{"name": name, "scorer": {"kind": name}, "inputs": ["video", "audio"],

@@ -107,8 +107,8 @@ def test_lora_map_check_passes_and_fails_when_broken(setup):
         checks.check_lora_map(states["base"], states["base"], states["base"], 1e-4)
 
 
-@pytest.mark.skipif(not SHIPPED_WEIGHTS.is_dir(), reason="needs the pretrained tiny_t2i weights")
 def test_time_convention_check_fails_when_flip_removed(setup, monkeypatch):
+    assert SHIPPED_WEIGHTS.is_dir(), f"package data missing: {SHIPPED_WEIGHTS}"
     adapter, _, _, learner = setup
     x0, prompts = probe_clean_latents(PromptSource.SHAPES, adapter)
     report = checks.check_time_convention(learner, x0, prompts)
