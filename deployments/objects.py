@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import ray
 
@@ -37,15 +37,17 @@ NAMESPACE = "omni"
 
 
 class HeldRefs:
-    """References held by (request id, name), oldest first, bounded by age and count."""
+    """References held by (request id, name), oldest first, bounded by age and count; ages
+    read from `clock` (seconds, monotonic)."""
 
-    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536):
-        self.ttl_s, self.max_objects = ttl_s, max_objects
+    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ttl_s, self.max_objects, self.clock = ttl_s, max_objects, clock
         self._refs: deque[tuple[float, str | None, str | None, Any]] = deque()
         self._lock = threading.Lock()
 
     def add(self, request_id: str | None, name: str | None, refs: Iterable[Any]) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             self._refs.extend((now, request_id, name, ref) for ref in refs)
             while self._refs and (len(self._refs) > self.max_objects or
@@ -69,8 +71,9 @@ class HeldRefs:
 class ObjectHolder:
     """The one holder of the graph's stage outputs (a Ray actor body)."""
 
-    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536):
-        self.held = HeldRefs(ttl_s, max_objects)
+    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
+                 clock: Callable[[], float] = time.monotonic):
+        self.held = HeldRefs(ttl_s, max_objects, clock)
 
     def hold(self, request_id: str | None, names: list[str | None], refs: list) -> int:
         """One request's puts of one stage call, named; the refs arrive in a list (borrowed,
@@ -100,9 +103,9 @@ class ObjectKeeper:
     (or, without one, by this keeper) until released or for at most ttl_s."""
 
     def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
-                 holder: Any | None = None):
+                 holder: Any | None = None, clock: Callable[[], float] = time.monotonic):
         self.holder = holder
-        self.local = HeldRefs(ttl_s, max_objects)
+        self.local = HeldRefs(ttl_s, max_objects, clock)
         # request id -> [(name, ref)] put but not yet handed to the holder (held here till then)
         self._pending: dict[str | None, list[tuple[str | None, Any]]] = {}
 
