@@ -130,13 +130,34 @@ def test_shipped_serve_configs_build_on_a_local_checkpoint(config, family, tiny_
     """The README's "your own checkpoint" configs: pointed at a checkpoint folder they build the
     whole Serve application (every stage's family, decoders per latent)."""
     import yaml
+    from ray.serve import Application
 
+    from adapters.registry import family_name
     from graph import build_app
     args = yaml.safe_load(open(config))["applications"][0]["args"]
-    args["rollout"]["weights_path"] = str(tiny_checkpoint(family))
+    root = str(tiny_checkpoint(family))
+    args["rollout"]["weights_path"] = root
     args["rollout"]["adapter"] = "auto"
     app = build_app(args)
-    assert app is not None
+
+    def bound(a: Application, out: dict) -> dict:     # deployment name -> bound deployment
+        d = out.setdefault(a._bound_deployment.name, a._bound_deployment)
+        for arg in (*d.init_args, *d.init_kwargs.values()):
+            for child in (arg.values() if isinstance(arg, dict) else (arg,)):
+                if isinstance(child, Application):
+                    bound(child, out)
+        return out
+
+    stages = bound(app, {})
+    scorers = {f"Scorer_{s['name']}" for s in args.get("scorers", [])}
+    assert set(stages) == {"RolloutGraph", "TextEncoder", "DiTRollout",
+                           "Decoder_image_latent"} | scorers
+    graph_config = stages["RolloutGraph"].init_args[0]
+    assert graph_config.weights_path == root
+    assert family_name(graph_config.adapter, graph_config.weights_path) == family
+    assert stages["TextEncoder"].init_args[:2] == ("auto", root)
+    assert stages["Decoder_image_latent"].init_args[:3] == ("auto", root, "image_latent")
+    assert stages["DiTRollout"].init_args[0].weights_path == root
 
 
 def test_token_ids_outside_an_encoders_vocabulary_are_refused_before_any_work(tiny_checkpoint):
