@@ -108,6 +108,11 @@ class OutputContractError(RolloutError):
     http_status = 500
 
 
+class NonFiniteOutputError(OutputContractError):
+    """A stage produced NaN or Inf (a velocity, a sample, a log-prob, decoded media, a reward)
+    for a request whose input passed validation: the server's fault, that request's alone."""
+
+
 class MissingArtifactError(OutputContractError):
     """Declared and requested, but the producer did not return it."""
 

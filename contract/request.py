@@ -21,6 +21,12 @@ from contract.errors import (ConflictingInputError, DuplicateInputError, Invalid
 
 MAX_SEED = 2**64 - 1            # row seeds are 64-bit generator seeds (diffusion/noise.py)
 MAX_REQUEST_ID_CHARS = 128
+# The smallest noise_level each stochastic sampler kind takes. A step's transition std is about
+# noise_level * 1e-2 at the small steps of a 100-step schedule; below 1e-4 that is under float32's
+# resolution of a unit-scale latent (the recorded sample stops carrying its noise), and far below
+# it the std squares to 0 (no finite log-density). The rollout engine also checks the request's
+# own schedule (diffusion.samplers.check_noise_representable).
+MIN_NOISE_LEVEL = {SamplerKind.SDE: 1e-4, SamplerKind.DANCE_SDE: 1e-4, SamplerKind.CPS: 1e-4}
 
 
 class FrozenModel(BaseModel):
@@ -136,6 +142,10 @@ class SamplingSpec(FrozenModel):
                                                                     SamplerKind.DPM2):
             raise ValueError(f"noise_level 0 leaves the {sampler.value} window without a "
                              "log-prob; use sampler='ode' for a deterministic rollout")
+        least = MIN_NOISE_LEVEL.get(sampler, 0.0) if sampler is not None else 0.0
+        if 0.0 < value < least:
+            raise ValueError(f"noise_level {value!r} is below the {sampler.value} sampler's "
+                             f"minimum {least} (float32 cannot carry its steps' noise)")
         return value
 
     @field_validator("seeds")

@@ -26,6 +26,7 @@ import torch
 
 from contract.enums import SamplerKind
 from contract.errors import InvalidRequestError
+from contract.request import MIN_NOISE_LEVEL
 from diffusion._checks import (check_float_tensor, check_per_row, check_row_sigma,
                                check_same_shape, rows)
 
@@ -318,6 +319,42 @@ def sampler_step(kind: SamplerKind | str, x: torch.Tensor, v: torch.Tensor, sigm
                                   field="history", expected=None, actual="SolverHistory")
     return _STEPS[kind](x, v, sigma, sigma_next, noise_level, noise=noise,
                         prev_sample=prev_sample)
+
+
+def check_noise_representable(kind: SamplerKind, sigmas: torch.Tensor,
+                              window: tuple[int, int], noise_level: float,
+                              field: str = "sampling.noise_level",
+                              request_id: str | None = None) -> None:
+    """Refuse, before any work, a noise level whose stochastic steps float32 cannot carry on
+    this schedule: the transition std of every window step (computed by the step itself) must
+    be > 0 and, for the Gaussian kinds, its square must be a normal float32 so the log-density
+    1/(2 std^2) and log std are finite. CPS steps into sigma 0 have no noise by construction
+    and are not counted. sigmas: (N+1,) the request's table; window: [start, end)."""
+    kind = SamplerKind(kind)
+    start, end = window
+    if kind in DETERMINISTIC or end <= start:
+        return
+    sigma = sigmas[start:end].float().cpu()
+    sigma_next = sigmas[start + 1:end + 1].float().cpu()
+    zeros = torch.zeros(sigma.shape[0], 1)
+    try:
+        std = sampler_step(kind, zeros, zeros, sigma, sigma_next, noise_level, zeros).std
+    except InvalidRequestError as exc:   # the step's own density check: its std is 0
+        if exc.field != "std":
+            raise
+        std = torch.zeros_like(sigma)
+    if kind is SamplerKind.CPS:
+        bad = (std <= 0) & (sigma_next > 0)
+    else:
+        bad = ~((std > 0) & torch.isfinite(1.0 / (std * std)) &
+                (std * std >= torch.finfo(torch.float32).tiny))
+    if bool(bad.any()):
+        step = start + int(bad.nonzero()[0])
+        raise InvalidRequestError(f"noise_level is too small for float32: the {kind.value} "
+                                  f"step {step} would have a transition std of "
+                                  f"{float(std[step - start]):.3g}", field=field,
+                                  expected=f">= {MIN_NOISE_LEVEL.get(kind, 0.0)}",
+                                  actual=noise_level, request_id=request_id)
 
 
 MULTISTEP = frozenset({SamplerKind.DPM2})          # kinds that carry a SolverHistory

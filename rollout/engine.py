@@ -7,6 +7,12 @@ Loop (vLLM v1 shape): admit -> schedule -> execute -> update.
   execute   one forward for all picked rows (CFG doubles them with the unconditional branch),
             then each request's own sampler step with its per-row seeded noise
   update    record the fp32 trajectory, finish / fail / cancel requests, resolve their futures
+One request never fails another: a request whose rows make the shared forward raise (found by
+running each request of the failed forward alone) or whose velocity, sample or log-prob is not
+finite (SampleRecorder.propose) fails alone, typed with its request id, and the forward is
+redone without it before any request's step is recorded, so the others' outputs are exactly
+those of a run it never joined. What float32 cannot carry (a noise level whose steps' std
+squares to 0) is refused at admission, before any work.
 Torch forwards block, so the loop runs in a dedicated thread and `generate` awaits a future:
 the caller's event loop (a Serve replica) stays responsive.
 """
@@ -24,16 +30,17 @@ import torch
 from adapters.family import ModelFamily
 from adapters.lora_targets import LoRATargetMap
 from contract import (Condition, InvalidRequestError, LimitExceededError, MediaArtifact,
-                      PolicyVersionError, QueueFullError, ReplicaFailedError,
-                      RequestCancelledError, RolloutError, SamplerKind, StopReason,
-                      collect_artifacts)
+                      OutputContractError, PolicyVersionError, QueueFullError,
+                      ReplicaFailedError, RequestCancelledError, RolloutError, SamplerKind,
+                      StopReason, collect_artifacts)
 from diffusion.conventions import model_time
 from diffusion.noise import initial_noise
+from diffusion.samplers import check_noise_representable
 from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity
 from rollout.config import EngineLimits
 from rollout.engine_api import EngineRequest, EngineResult
 from rollout.engine_state import BatchKey, RequestState, schedule
-from rollout.recorder import SampleRecorder
+from rollout.recorder import ProposedStep, SampleRecorder
 from rollout.full_weights import PolicySlots
 from rollout.lora import LoRASlotGroup
 
@@ -186,8 +193,9 @@ class EmbeddedEngine:
             try:
                 self._execute(batch)
             except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
-                for state in batch:
-                    self._fail(state, exc)
+                for state in batch:       # not one request's: a retryable replica fault
+                    self._fail(state, _step_error(exc, state.request_id)
+                               if isinstance(exc, InvalidRequestError) else exc)
                 continue
             for state in batch:
                 if state.done:
@@ -223,6 +231,8 @@ class EmbeddedEngine:
         shape = tuple(media.state_shape or family.codec.state_shape(sampling))
         rows = sampling.samples_per_prompt
         sigmas = family.request_sigmas(sampling, media).to(torch.float32)
+        check_noise_representable(sampling.sampler, sigmas, sampling.window,
+                                  sampling.noise_level, request_id=rid)
         times = model_time(sigmas[:-1], family.denoiser.time_convention,
                            family.denoiser.model_time_scale)
         x = initial_noise(sampling.seeds, shape).to(self.device, torch.float32)     # (B, *S)
@@ -240,14 +250,47 @@ class EmbeddedEngine:
         inputs = {k: v.to(self.device).expand(rows, *v.shape[1:]) for k, v in media.inputs.items()}
         key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
                        media.batch_key())
-        recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen)
+        recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen, rid)
         return RequestState(request, future, key, recorder, times.to(self.device), x, cond,
                             negative, inputs, enqueued, next(self._order))
 
     def _execute(self, batch: list[RequestState]) -> None:
-        """One forward for every row of the batch, then each request's own sampler step."""
+        """One forward for every row of the batch, then each request's own sampler step. A
+        request that fails its part is failed alone and the forward redone without it; steps
+        are recorded only once every remaining request's step succeeded."""
         self._tick += 1
         now = time.perf_counter()
+        while batch:
+            try:
+                x, v_all = self._forward(batch)
+            except Exception as exc:  # noqa: BLE001 - find the request(s) it came from
+                batch = self._without_culprits(batch, exc)
+                continue
+            proposed: dict[int, ProposedStep] = {}
+            failed: list[RequestState] = []
+            offset = 0
+            for state in batch:
+                sl = slice(offset, offset + state.rows)
+                offset += state.rows
+                try:                                         # its own sampler step
+                    proposed[id(state)] = state.recorder.propose(x[sl], v_all[sl])
+                except Exception as exc:  # noqa: BLE001 - this request's step only
+                    self._fail(state, _step_error(exc, state.request_id))
+                    failed.append(state)
+            if failed:                   # redo the forward without them: nothing recorded yet
+                batch = [s for s in batch if s not in failed]
+                continue
+            rows = x.shape[0]
+            for state in batch:
+                state.x = state.recorder.commit(proposed[id(state)])
+                state.batch_rows.append(rows)
+                state.last_tick = self._tick
+                if state.started_at is None:
+                    state.started_at = now
+            return
+
+    def _forward(self, batch: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, guided velocity) of every row of the batch: (R, *S) each, fp32."""
         head = batch[0]
         x = torch.cat([s.x for s in batch])                                        # (R, *S)
         sigma = torch.cat([s.recorder.sigmas_now(s.rows)[0] for s in batch])       # (R,)
@@ -260,15 +303,26 @@ class EmbeddedEngine:
         with self.slots.active(head.key.policy_version):
             v_all = predict_velocity(self.family.denoiser, self.models, x, sigma, cond, guidance,
                                      media)                                        # (R, *S) fp32
-        rows, offset = x.shape[0], 0
+        return x, v_all
+
+    def _without_culprits(self, batch: list[RequestState],
+                          exc: Exception) -> list[RequestState]:
+        """The batch's forward raised `exc`: each request's rows are run alone, those that
+        raise fail with their own error and the rest are returned (to run together again).
+        When every request runs alone the fault is not one request's: `exc` is raised (the
+        loop fails the batch)."""
+        if len(batch) == 1:
+            raise exc
+        culprits = []
         for state in batch:
-            sl = slice(offset, offset + state.rows)
-            offset += state.rows
-            state.x = state.recorder.advance(x[sl], v_all[sl])   # its own sampler step
-            state.batch_rows.append(rows)
-            state.last_tick = self._tick
-            if state.started_at is None:
-                state.started_at = now
+            try:
+                self._forward([state])
+            except Exception as own:  # noqa: BLE001 - its own rows raise
+                self._fail(state, _step_error(own, state.request_id))
+                culprits.append(state)
+        if not culprits:
+            raise exc
+        return [s for s in batch if s not in culprits]
 
     # ---- update -----------------------------------------------------------------------------
     def _finish(self, state: RequestState) -> None:
@@ -331,3 +385,18 @@ class EmbeddedEngine:
             if not future.done():
                 future.set_exception(ReplicaFailedError("engine shut down before the request "
                                                         "finished"))
+
+
+def _step_error(exc: Exception, request_id: str) -> Exception:
+    """A request's own failure inside a step it was admitted to. Its input passed admission,
+    so a contract error raised by the math, or any other exception, is the server's
+    (OutputContractError, 500, not retried: the same rows fail the same way), never a 4xx
+    blaming the client; typed errors of the server's kinds stay as they are."""
+    if isinstance(exc, InvalidRequestError):
+        return OutputContractError(f"the denoising step failed: {exc.message}",
+                                   field=exc.field, expected=exc.expected, actual=exc.actual,
+                                   request_id=request_id)
+    if not isinstance(exc, RolloutError):
+        return OutputContractError(f"the denoising step failed: {type(exc).__name__}: {exc}",
+                                   field="step", request_id=request_id)
+    return exc

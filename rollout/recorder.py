@@ -11,21 +11,50 @@ a multistep solver's history) and the fp32 trajectory of the window with its log
         v = predict_velocity(...)            # the engine's (batched) forward
         x = recorder.advance(x, v)
     trajectory = recorder.trajectory(model_times, policy_version)
+
+Nothing non-finite leaves: `propose` checks the velocity it is given and the sample and log-prob
+it computes, row by row, and raises NonFiniteOutputError for this request without changing its
+state; `commit` then records the step (`advance` = both). An engine that batches requests
+proposes every request's step before committing any, so a request that fails its step can be
+taken out and the others' forward redone without it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from contract import SamplerKind, SamplingSpec, Trajectory
+from contract import NonFiniteOutputError, SamplerKind, SamplingSpec, Trajectory
 from diffusion.noise import row_noise
-from diffusion.samplers import DETERMINISTIC, SolverHistory
+from diffusion.samplers import DETERMINISTIC, SolverHistory, StepOutput
 from diffusion.step import FrozenLatents, transition
 from diffusion.windows import uses_sde
 
 
+@dataclass(frozen=True)
+class ProposedStep:
+    """One step computed but not yet recorded (`SampleRecorder.propose`)."""
+
+    step: int
+    x: torch.Tensor                 # (B, *S) the state the step started from
+    out: StepOutput
+
+
+def check_finite(value: torch.Tensor, field: str, request_id: str | None) -> None:
+    """NonFiniteOutputError naming the field and the rows holding NaN / Inf. value: (B, ...)."""
+    finite = torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1) if value.ndim else \
+        torch.isfinite(value).reshape(1)
+    if not bool(finite.all()):
+        rows = (~finite).nonzero().flatten().tolist()
+        raise NonFiniteOutputError("a stage produced NaN or Inf", field=field,
+                                   expected="finite", actual=f"rows {rows[:8]}",
+                                   request_id=request_id)
+
+
 class SampleRecorder:
     def __init__(self, sampling: SamplingSpec, sigmas: torch.Tensor,
-                 frozen: FrozenLatents | None = None):
+                 frozen: FrozenLatents | None = None, request_id: str | None = None):
+        self.request_id = request_id
         self.sampling = sampling
         self.sigmas = sigmas                       # (N+1,) fp32 on the engine's device
         self.frozen = frozen
@@ -60,17 +89,34 @@ class SampleRecorder:
     def advance(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One sampler step of this request's rows from the guided velocity v; records the
         window. x, v: (B, *S) fp32. Returns x at the next sigma."""
+        return self.commit(self.propose(x, v))
+
+    def propose(self, x: torch.Tensor, v: torch.Tensor) -> ProposedStep:
+        """The current step from the guided velocity v, computed and checked finite (velocity,
+        sample, log-prob) but not recorded. x, v: (B, *S) fp32."""
         j, kind = self.step, self.kind()
-        start, end = self.window
+        check_finite(v, f"velocity[step {j}]", self.request_id)
         sigma, sigma_next = self.sigmas_now(x.shape[0])
-        if j == start:
-            self.latents.append(x.float().clone())
         noise = None
         if kind not in DETERMINISTIC:
             noise = row_noise(self.sampling.seeds, j, tuple(x.shape[1:])).to(x.device,
                                                                                torch.float32)
         out = transition(kind, x, v, sigma, sigma_next, self.sampling.noise_level, noise,
                          frozen=self.frozen, history=self.history)
+        check_finite(out.prev_sample, f"latents[step {j}]", self.request_id)
+        if out.log_prob is not None:
+            check_finite(out.log_prob, f"log_probs[step {j}]", self.request_id)
+        return ProposedStep(j, x, out)
+
+    def commit(self, proposed: ProposedStep) -> torch.Tensor:
+        """Record a proposed step (the window's latents and log-probs); returns x at the next
+        sigma."""
+        j, out = proposed.step, proposed.out
+        if j != self.step:
+            raise RuntimeError(f"step {j} was proposed, the recorder is at step {self.step}")
+        start, end = self.window
+        if j == start:
+            self.latents.append(proposed.x.float().clone())
         self.history = out.history
         if start <= j < end:
             self.log_probs.append(out.log_prob.float())
