@@ -79,7 +79,7 @@ def build_encoder(config: GraphConfig) -> Application:
     enc = config.encoder
     return serve.deployment(TextEncoderServer, **encoder_options(config)).bind(
         config.adapter, config.weights_path, enc.etp, enc.device, enc.dtype,
-        config.adapter_options)
+        config.adapter_options, enc.prompt_cache_bytes)
 
 
 def build_rollout(config: GraphConfig) -> Application:

@@ -155,6 +155,12 @@ class PolicyVersionError(RolloutError):
     http_status = 409
 
 
+class EncoderVersionError(RolloutError):
+    """An encoded prompt (a cache entry, a condition) made by text encoders of another version
+    than the ones asked for: never served in their place."""
+    http_status = 409
+
+
 class ScorerFailedError(RolloutError):
     """A required scorer failed for a sample. Never turned into a reward of 0."""
     http_status = 502

@@ -116,10 +116,25 @@ class EncoderStage(StageOptions):
         "replica fails its health check and Serve replaces the group). None = no bound.")
     device: str = Field("cpu", description="torch device of the encoder (and its shards).")
     dtype: str = Field("float32", description="Weights dtype of the text encoders.")
+    prompt_cache_mib: int = Field(
+        256, ge=0, description="Bound of the replica's prompt-embedding cache (MiB of tensors; "
+        "least recently used out first): each prompt is encoded once per encoder version. "
+        "0 = no cache. Below `memory_mib` when that is set (the cache lives in the replica).")
 
     @property
     def memory_bytes_per_shard(self) -> int | None:
         return mib_to_bytes(self.memory_mib_per_shard)
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        return self.prompt_cache_mib * 2**20
+
+    @model_validator(mode="after")
+    def _check_cache(self) -> "EncoderStage":
+        if self.memory_mib is not None and self.prompt_cache_mib >= self.memory_mib:
+            raise ValueError(f"prompt_cache_mib {self.prompt_cache_mib} must be below the "
+                             f"replica's memory_mib {self.memory_mib}")
+        return self
 
 
 class DecoderStage(StageOptions):

@@ -10,6 +10,12 @@ etp  > 1: the replica owns a placement group (bundle 0 = the replica, bundles 1.
 Users state `etp`; `TextEncoderServer.deployment_options` derives the placement options from it.
 Token ids are encoded exactly as received (the conditioner pads them; nothing re-tokenizes), and
 the returned Condition carries them, per encoder, in `token_ids` for the trainer's token check.
+
+Prompt-embedding cache (`encoder.prompt_cache_mib`): the replica keeps each prompt's encoding,
+keyed by its ids per encoder and stamped with the encoders' version (a digest of their weights,
+`encoding.encoder_version`); a group's requests, its null / negative prompt and every later
+epoch over the same prompts are encoded once. Hits and misses are Serve counters
+(`omni_encoder_cache_{hits,misses}`) and `cache_stats()`.
 """
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ import torch
 from adapters.registry import get_family
 from contract import (Condition, ConfigError, InvalidRequestError, PromptBundle,
                       ReplicaFailedError, RolloutError)
-from deployments.encoding import encode_prompts, load_encoders
+from deployments.encoding import (PromptEmbeddingCache, encode_cached, encode_prompts,
+                                  encoder_version, load_encoders)
 from deployments.etp import ShardWorker, check_family_etp, param_bytes
 from deployments.memory import guard_replica_memory
+from deployments.metrics import CacheMetrics, StageMetrics
 
 SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback (all bundles on one node)
 
@@ -76,8 +84,10 @@ class TextEncoderServer:
                 "placement_group_strategy": "STRICT_PACK"}
 
     def __init__(self, adapter: str, weights_path: str | None = None, etp: int = 1,
-                 device: str = "cpu", dtype: str = "float32", options: dict | None = None):
+                 device: str = "cpu", dtype: str = "float32", options: dict | None = None,
+                 prompt_cache_bytes: int = 0):
         self.memory_guard = guard_replica_memory("TextEncoder")
+        self.cache = PromptEmbeddingCache(prompt_cache_bytes)
         self.family = get_family(adapter, weights_path, options)
         self.options = dict(options or {})
         self.etp = etp
@@ -86,12 +96,19 @@ class TextEncoderServer:
         self.workers: list[Any] = []
         self.worker_info: list[dict[str, int]] = []
         self._failed: str | None = None
+        self.metrics: StageMetrics | None = None
+        self.cache_metrics: CacheMetrics | None = None
         if etp == 1:
             self.encoders = load_encoders(self.family, self.device, dtype)
-            return
-        self.encoders = None
-        check_family_etp(self.family, etp)         # before any worker starts
-        self._start_workers(adapter, weights_path, device, dtype)
+            self.version = encoder_version(self.family, self.encoders, dtype)
+        else:
+            self.encoders = None
+            check_family_etp(self.family, etp)         # before any worker starts
+            self._start_workers(adapter, weights_path, device, dtype)
+            self.version = self.worker_info[0]["encoder_version"]
+        import ray
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            self.metrics, self.cache_metrics = StageMetrics("encoder"), CacheMetrics("encoder")
 
     def _start_workers(self, adapter: str, weights_path: str | None, device: str,
                        dtype: str) -> None:
@@ -125,9 +142,29 @@ class TextEncoderServer:
     async def encode(self, prompts: Sequence[PromptBundle]) -> Condition:
         """Encode the prompts' token ids exactly as given; `token_ids` records them."""
         prompts = self._check(prompts)
+        before = (self.cache.hits, self.cache.misses)
+        cond = await encode_cached(self.family, self.cache, self.version, prompts,
+                                   self._encode_uncached)
+        if self.cache_metrics is not None:
+            self.cache_metrics.record(self.cache.hits - before[0], self.cache.misses - before[1],
+                                      self.cache.nbytes)
+        return cond
+
+    async def _encode_uncached(self, prompts: list[PromptBundle]) -> Condition:
+        if self.metrics is None:
+            return await self._run_encoders(prompts)
+        with self.metrics.track(len(prompts)):
+            return await self._run_encoders(prompts)
+
+    async def _run_encoders(self, prompts: list[PromptBundle]) -> Condition:
         if self.etp == 1:
             return encode_prompts(self.family, self.encoders, prompts)
         return (await self._on_all_ranks("encode", prompts))[0]
+
+    async def cache_stats(self) -> dict[str, int | str]:
+        """The prompt-embedding cache's hits, misses, evictions, entries and bytes (of its
+        bound), and the encoder version its entries are stamped with."""
+        return {**self.cache.stats(), "encoder_version": self.version}
 
     async def _on_all_ranks(self, method: str, *args) -> list[Any]:
         """Call `method` on every shard worker; a dead worker fails the replica (typed)."""

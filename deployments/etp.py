@@ -37,7 +37,7 @@ from torch import nn
 
 from adapters.family import ETPPlan, ModelFamily
 from contract import ConfigError, PromptBundle
-from deployments.encoding import encode_prompts, load_encoders
+from deployments.encoding import encode_prompts, encoder_version, load_encoders
 
 
 def valid_etp_values(num_heads: int) -> tuple[int, ...]:
@@ -220,16 +220,19 @@ class ShardWorker:
         device = "cuda" if self.device_type == "cuda" else "cpu"   # Ray's visible GPU
         encoders = load_encoders(self.family, device, dtype)
         self.full_bytes = param_bytes(encoders, self.family)
+        # rank 0 names the version from the full weights (the replica's cache stamps entries)
+        self.version = encoder_version(self.family, encoders, dtype) if rank == 0 else None
         self.encoders = {}
         for name, module in encoders.items():
             plan = self.family.spec.encoder(name).etp
             self.encoders[name] = module if plan is None else \
                 shard_encoder(module, plan, etp, self.device_type)
 
-    def ready(self) -> dict[str, int]:
+    def ready(self) -> dict[str, int | str | None]:
         import os
         limit = 0 if self.memory_guard is None else self.memory_guard.limit_bytes
-        return {"rank": self.rank, "pid": os.getpid(), "memory_limit_bytes": limit}
+        return {"rank": self.rank, "pid": os.getpid(), "memory_limit_bytes": limit,
+                "encoder_version": self.version}
 
     def param_bytes(self) -> dict[str, int]:
         own = param_bytes(self.encoders, self.family)

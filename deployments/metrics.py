@@ -59,3 +59,23 @@ class StageMetrics:
             self.latency.observe((time.perf_counter() - start) * 1000.0, tags=tags)
             self._in_flight -= 1
             self.queue_depth.set(self._in_flight, tags=tags)
+
+
+class CacheMetrics:
+    """A stage's cache: hits, misses (Serve counters) and the bytes it holds (a gauge)."""
+
+    def __init__(self, stage: str):
+        self.hits = metrics.Counter(f"omni_{stage}_cache_hits", description="Cache hits.",
+                                    tag_keys=("stage",))
+        self.misses = metrics.Counter(f"omni_{stage}_cache_misses",
+                                      description="Cache misses.", tag_keys=("stage",))
+        self.nbytes = metrics.Gauge(f"omni_{stage}_cache_bytes", description="Bytes held.",
+                                    tag_keys=("stage",))
+        self._tags = {"stage": stage}
+
+    def record(self, hits: int, misses: int, nbytes: int) -> None:
+        if hits:
+            self.hits.inc(hits, tags=self._tags)
+        if misses:
+            self.misses.inc(misses, tags=self._tags)
+        self.nbytes.set(nbytes, tags=self._tags)
