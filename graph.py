@@ -26,9 +26,10 @@ from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
 from deployments.objects import get_object_holder, holder_name
-from deployments.placement import (StageDemand, check_placement, demand_from_options,
-                                   into_bundles, live_nodes)
-from deployments.policy_store import get_policy_store
+from deployments.placement import (StageDemand, StageReplicas, check_graph_fits,
+                                   check_placement, demand_from_options, head_actor,
+                                   into_bundles, live_nodes, replica_counts)
+from deployments.policy_store import HEAD_NODE, get_policy_store
 from deployments.rollout import DiTRolloutServer
 from deployments.scorer import ScorerServer
 
@@ -75,6 +76,16 @@ def stage_demands(config: GraphConfig) -> list[StageDemand]:
     return [demand_from_options(field, opts) for field, opts in stage_options(config).values()]
 
 
+def graph_replicas(config: GraphConfig) -> list[StageReplicas]:
+    """Everything the deployed graph asks the cluster for: each deployment's replica demand with
+    its starting and maximum replica counts, and the two detached actors on the head node."""
+    out = [StageReplicas(demand_from_options(field, opts), *replica_counts(opts))
+           for field, opts in stage_options(config).values()]
+    for field, name in (("policy_store", "PolicyStore"), ("app_name", "ObjectHolder")):
+        out.append(StageReplicas(head_actor(field, name, HEAD_NODE), 1, 1))
+    return out
+
+
 def build_encoder(config: GraphConfig) -> Application:
     enc = config.encoder
     return serve.deployment(TextEncoderServer, **encoder_options(config)).bind(
@@ -110,12 +121,15 @@ def build_scorers(config: GraphConfig) -> dict[str, Application]:
 def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
     """Serve application builder (`import_path: graph:build_app` + `args:`). Connected to a
     cluster (`serve run`, a Serve config deploy, `ray.init` then `serve.run`), it first checks
-    that every stage fits on some node (deployments/placement.py): a ConfigError naming the
-    stage and the resource instead of replicas that never schedule."""
+    that every stage fits on some node and that the whole graph at its starting replica counts
+    fits the cluster (deployments/placement.py): a ConfigError naming the stage and the
+    resource, the demand and the capacity, instead of replicas that never schedule."""
     config = load_graph_config(args)
     import ray
     if ray.is_initialized():
-        check_placement(stage_demands(config), live_nodes())
+        nodes, replicas = live_nodes(), graph_replicas(config)
+        check_placement([r.demand for r in replicas], nodes)
+        check_graph_fits(replicas, nodes)
     ingress = serve.deployment(RolloutGraph, **config.ingress.deployment_options("RolloutGraph"))
     return ingress.bind(config, build_encoder(config), build_rollout(config),
                         build_decoders(config), build_scorers(config))

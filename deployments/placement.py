@@ -13,10 +13,21 @@ onto the bundles, so the whole STRICT_PACK group lands on one matching node.
 manifest test against the manifests' node groups): a stage that no node can hold is a ConfigError
 naming the stage's config field and the resource or label, at build time -- not a replica that
 waits forever for resources that never come.
+
+`check_graph_fits(stages, nodes)` then packs the whole graph: every stage's starting replicas
+(`StageReplicas`: placement groups as one STRICT_PACK item, ETP shards included; the ingress; the
+policy store and object holder actors on the head) onto the nodes' totals by resource and label.
+When they cannot all be placed it is a ConfigError naming the demand per resource, the cluster's
+capacity and the stages that would wait; replicas up to the autoscaling maxima that could never
+be placed are a `PlacementWarning` with the same figures. Capacity is the nodes' totals (what
+other applications hold is not subtracted). Packing is first fit, largest first, then (up to
+EXACT_SEARCH_ITEMS replicas) an exhaustive search, so a refusal of a small graph is never a
+heuristic's miss.
 """
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -172,29 +183,225 @@ def check_selector(selector: Mapping[str, str]) -> Mapping[str, str]:
     return selector
 
 
+@dataclass(frozen=True)
+class StageReplicas:
+    """A stage's replica (its StageDemand) and how many replicas it runs: `start` when deployed
+    (num_replicas, or autoscaling's initial / min replicas), `most` at its autoscaling maximum."""
+
+    demand: StageDemand
+    start: int
+    most: int
+
+
+def replica_counts(options: Mapping[str, Any]) -> tuple[int, int]:
+    """(replicas Serve starts, replicas it may scale to) from a deployment's Serve options."""
+    auto = options.get("autoscaling_config")
+    if auto:
+        start = auto.get("initial_replicas")
+        start = auto.get("min_replicas", 1) if start is None else start
+        return int(start), int(auto.get("max_replicas", 1))
+    count = int(options.get("num_replicas", 1))
+    return count, count
+
+
+def head_actor(stage: str, name: str, resources: Mapping[str, float]) -> StageDemand:
+    """A detached actor of the graph (policy store, object holder): no CPU, the head's resource."""
+    return StageDemand(stage, name, ({"CPU": 0.0, **resources},))
+
+
+class PlacementWarning(UserWarning):
+    """The graph fits at its starting replicas but not at its autoscaling maxima."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Replicas placed on nodes (node name -> deployments) and those no node had room for."""
+
+    placed: Mapping[str, list[str]]
+    waiting: tuple[tuple[StageDemand, int, int], ...]   # (stage, replicas waiting, asked for)
+
+    @property
+    def fits(self) -> bool:
+        return not self.waiting
+
+
+EXACT_SEARCH_ITEMS = 40          # replicas up to which a first-fit miss is searched exhaustively
+EXACT_SEARCH_STEPS = 200_000     # the search's bound (tries of one replica on one node)
+
+
+def pack(stages: Sequence[tuple[StageDemand, int]], nodes: Sequence[NodeShape],
+         first: Sequence[int] | None = None) -> Packing:
+    """Place `count` replicas of each demand on the nodes' total resources, each replica (a
+    placement group whole) on one node whose labels match: first fit, largest dominant share
+    first (the `first[i]` replicas of stage i before any other: the running ones before those
+    autoscaling would add); when that leaves replicas waiting and there are at most
+    EXACT_SEARCH_ITEMS, an exhaustive search (bounded by EXACT_SEARCH_STEPS) looks for a
+    placement first fit missed."""
+    capacity = _sum(n.resources for n in nodes)
+    needs = [d.total for d, _ in stages]
+    matching = [[i for i, n in enumerate(nodes) if labels_match(d.label_selector, n.labels)]
+                for d, _ in stages]
+
+    def size(item: tuple[int, int]) -> tuple:
+        s, rank = item
+        share = max((v / capacity[k] if capacity.get(k, 0.0) > 0 else float("inf")
+                     for k, v in needs[s].items()), default=0.0)
+        return (first is not None and rank >= first[s], -share, len(matching[s]),
+                stages[s][0].deployment, s)
+
+    items = [s for s, _ in sorted(((s, rank) for s, (_, count) in enumerate(stages)
+                                   for rank in range(count)), key=size)]
+    free = [dict(n.resources) for n in nodes]
+    where: list[int | None] = []
+    for s in items:
+        i = next((i for i in matching[s] if _room(free[i], needs[s])), None)
+        if i is not None:
+            _take(free[i], needs[s])
+        where.append(i)
+    if None in where and len(items) <= EXACT_SEARCH_ITEMS:
+        where = _search(items, needs, matching, nodes) or where
+    placed: dict[str, list[str]] = {n.name: [] for n in nodes}
+    waiting = [0] * len(stages)
+    for s, i in zip(items, where):
+        if i is None:
+            waiting[s] += 1
+        else:
+            placed[nodes[i].name].append(stages[s][0].deployment)
+    return Packing(placed, tuple((d, waiting[s], count) for s, (d, count) in enumerate(stages)
+                                 if waiting[s]))
+
+
+def _room(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    return all(free.get(k, 0.0) + _EPS >= v for k, v in need.items())
+
+
+def _take(free: dict[str, float], need: Mapping[str, float], sign: float = 1.0) -> None:
+    for k, v in need.items():
+        free[k] = free.get(k, 0.0) - sign * v
+
+
+def _search(items: Sequence[int], needs: Sequence[Mapping[str, float]],
+            matching: Sequence[list[int]], nodes: Sequence[NodeShape]) -> list[int | None] | None:
+    """Every replica placed, by depth-first search (replicas of one stage on non-decreasing
+    nodes, nodes left in the same state tried once per level); None when there is no such
+    placement or the search ran out of steps."""
+    free = [dict(n.resources) for n in nodes]
+    where: list[int | None] = [None] * len(items)
+    steps = 0
+
+    def place(k: int) -> bool:
+        nonlocal steps
+        if k == len(items):
+            return True
+        s, need = items[k], needs[items[k]]
+        lowest = where[k - 1] if k and items[k - 1] == s else 0
+        seen: set = set()
+        for i in matching[s]:
+            if i < lowest or not _room(free[i], need):
+                continue
+            state = (tuple(sorted(free[i].items())), tuple(sorted(nodes[i].labels.items())))
+            if state in seen:
+                continue
+            seen.add(state)
+            steps += 1
+            if steps > EXACT_SEARCH_STEPS:
+                return False
+            _take(free[i], need)
+            where[k] = i
+            if place(k + 1):
+                return True
+            _take(free[i], need, -1.0)
+            where[k] = None
+        return False
+
+    return where if place(0) else None
+
+
+def _sum(resources: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in resources:
+        for k, v in r.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def _figures(resources: Mapping[str, float], keys: Iterable[str]) -> dict[str, float | str]:
+    """Resources as a user reads them: memory in GiB, amounts rounded."""
+    out: dict[str, float | str] = {}
+    for k in keys:
+        v = resources.get(k, 0.0)
+        out[k] = f"{v / 2**30:.2f} GiB" if k in ("memory", "object_store_memory") else round(v, 3)
+    return out
+
+
+def _text(figures: Mapping[str, float | str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in figures.items())
+
+
+def _reported(keys: Iterable[str]) -> list[str]:
+    """The resources a message names: CPU, GPU, memory and any custom one a stage asks for."""
+    extra = sorted({k for k in keys if not k.startswith("node:") and k not in BUILTIN_RESOURCES})
+    return ["CPU", "GPU", "memory", *extra]
+
+
+def _describe(stages: Sequence[tuple[StageDemand, int]], nodes: Sequence[NodeShape],
+              packing: Packing, when: str) -> tuple[str, dict, dict]:
+    demand = _sum({k: v * count for k, v in d.total.items()} for d, count in stages)
+    capacity = _sum(n.resources for n in nodes)
+    keys = _reported(demand)
+    need, have = _figures(demand, keys), _figures(capacity, keys)
+    waits = []
+    for d, count, asked in packing.waiting:
+        one = _figures(d.total, [k for k in _reported(d.total) if d.total.get(k, 0.0) > 0])
+        line = (f"{d.deployment} ({d.stage}) {count} of {asked} replica(s) of "
+                f"[{_text(one) or 'nothing'}]")
+        if d.label_selector:
+            ok = [n for n in nodes if labels_match(d.label_selector, n.labels)]
+            line += (f" on the {len(ok)} node(s) matching {dict(d.label_selector)}, which have "
+                     f"[{_text(_figures(_sum(n.resources for n in ok), keys))}]")
+        waits.append(line)
+    message = (f"the graph does not fit the cluster {when}: it needs [{_text(need)}], the "
+               f"cluster's {len(nodes)} node(s) have [{_text(have)}]; waiting for resources: "
+               + "; ".join(waits))
+    return message, need, have
+
+
+def check_graph_fits(stages: Sequence[StageReplicas], nodes: Sequence[NodeShape]) -> Packing:
+    """The whole graph at its starting replica counts packed onto the nodes: a ConfigError when
+    some replicas would wait (field = the first waiting stage's resources, expected = the
+    demand per resource, actual = the cluster's capacity; the message names every waiting
+    stage). At the autoscaling maxima, a PlacementWarning with the same figures. Returns the
+    packing of the starting replicas."""
+    if not nodes:
+        raise ConfigError("the cluster has no live nodes to place the graph on", field="nodes")
+    start = [(r.demand, r.start) for r in stages]
+    packing = pack(start, nodes)
+    if not packing.fits:
+        message, need, have = _describe(start, nodes, packing, "at its starting replica counts")
+        first = packing.waiting[0][0]
+        raise ConfigError(message + ". Lower the stages' num_cpus / num_gpus / memory_mib or "
+                          "replica counts, or add nodes", field=f"{first.stage}.resources",
+                          expected=need, actual=have)
+    most = [(r.demand, r.most) for r in stages]
+    if any(r.most > r.start for r in stages):
+        at_max = pack(most, nodes, first=[r.start for r in stages])
+        if not at_max.fits:
+            message, _, _ = _describe(most, nodes, at_max, "at its autoscaling maxima")
+            warnings.warn(PlacementWarning(message + ": those replicas would never start"),
+                          stacklevel=2)
+    return packing
+
+
 def pack_first_fit(demands: Sequence[tuple[StageDemand, int]],
                    nodes: Sequence[NodeShape]) -> dict[str, list[str]]:
-    """Place `count` replicas of each demand on `nodes` (first fit, largest demands first);
-    returns node name -> deployments placed. ConfigError naming the stage that does not fit.
-    Used to check a manifest's node groups hold every stage at its maximum replica count."""
-    free = {n.name: dict(n.resources) for n in nodes}
-    placed: dict[str, list[str]] = {n.name: [] for n in nodes}
-    order = sorted(((d, c) for d, c in demands),
-                   key=lambda dc: -sum(v for k, v in dc[0].total.items() if k != "memory"))
-    for d, count in order:
-        for _ in range(count):
-            for n in nodes:
-                left = free[n.name]
-                if labels_match(d.label_selector, n.labels) and all(
-                        left.get(k, 0.0) + _EPS >= v for k, v in d.total.items()):
-                    for k, v in d.total.items():
-                        left[k] = left.get(k, 0.0) - v
-                    placed[n.name].append(d.deployment)
-                    break
-            else:
-                raise ConfigError(f"the node groups cannot hold {count} replicas of "
-                                  f"{d.deployment} next to the other stages",
-                                  field=f"{d.stage}.resources", expected=d.total,
-                                  actual={k: {r: round(v, 3) for r, v in left.items()}
-                                          for k, left in free.items()})
-    return placed
+    """Place `count` replicas of each demand on `nodes` (`pack`); returns node name ->
+    deployments placed. ConfigError naming the first stage that does not fit. Used to check a
+    manifest's node groups hold every stage at its maximum replica count."""
+    packing = pack(demands, nodes)
+    if not packing.fits:
+        d, waiting, count = packing.waiting[0]
+        raise ConfigError(f"the node groups cannot hold {count} replicas of {d.deployment} "
+                          f"next to the other stages ({waiting} would wait)",
+                          field=f"{d.stage}.resources", expected=d.total,
+                          actual={n.name: dict(n.resources) for n in nodes})
+    return dict(packing.placed)
