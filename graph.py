@@ -97,7 +97,7 @@ def build_rollout(config: GraphConfig) -> Application:
     opts = config.rollout_stage.deployment_options("DiTRollout")
     return serve.deployment(DiTRolloutServer, **opts).bind(config.rollout, config.policy_store,
                                                            config.limits,
-                                                           holder_name(config.app_name))
+                                                           config.object_holder)
 
 
 def build_decoders(config: GraphConfig) -> dict[str, Application]:
@@ -107,7 +107,7 @@ def build_decoders(config: GraphConfig) -> dict[str, Application]:
                                             config.http.max_preview_pixels,
                                             config.decoder.device, config.decoder.dtype,
                                             config.adapter_options,
-                                            holder_name(config.app_name))
+                                            config.object_holder)
             for latent in decoded_latents(config)}
 
 

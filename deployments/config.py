@@ -13,6 +13,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from contract import ConfigError, RequestLimits
+from deployments.objects import (DEFAULT_MAX_OBJECTS, DEFAULT_TTL_S, HolderSpec,
+                                 holder_name)
 from deployments.placement import check_resource_names, check_selector
 from rewards.combine import RewardConfig, ScorerWeight
 from rewards.registry import ScorerSpec
@@ -205,6 +207,17 @@ class HttpOptions(Model):
     max_preview_pixels: int = Field(64 * 64 * 16, description="Largest media returned as base64.")
 
 
+class ObjectsOptions(Model):
+    """Bounds of the graph's ObjectHolder (deployments/objects.py): stage outputs a caller never
+    releases are dropped after `ttl_s` or past `max_objects` references. A trainer checks at
+    start-up that `ttl_s` covers its expected step time (trainer/config.py)."""
+
+    ttl_s: float = Field(DEFAULT_TTL_S, gt=0, description="Seconds a held stage output lives "
+                         "unreleased (a caller that fetched it releases it at once).")
+    max_objects: int = Field(DEFAULT_MAX_OBJECTS, ge=1, description="References held at most; "
+                             "the oldest go first.")
+
+
 class GraphConfig(Model):
     """The whole rollout graph."""
 
@@ -220,6 +233,7 @@ class GraphConfig(Model):
     limits: RequestLimits = Field(default_factory=RequestLimits)
     http: HttpOptions = Field(default_factory=HttpOptions)
     policy_store: str = Field("omni_policy_store", description="Named actor holding LoRA versions.")
+    objects: ObjectsOptions = Field(default_factory=ObjectsOptions)
     stage_wait_s: float = Field(60.0, gt=0, description="Longest a request waits for a replica "
                                 "of a stage to take it (none running: node lost, replicas "
                                 "restarting); then StageUnavailableError, 503, retryable.")
@@ -233,6 +247,12 @@ class GraphConfig(Model):
     @property
     def adapter(self) -> str:
         return self.rollout.adapter
+
+    @property
+    def object_holder(self) -> HolderSpec:
+        """The graph's ObjectHolder actor and its bounds, as every stage gets it."""
+        return HolderSpec(holder_name(self.app_name), self.objects.ttl_s,
+                          self.objects.max_objects)
 
     @property
     def weights_path(self) -> str | None:

@@ -16,7 +16,7 @@ from contract import (MediaArtifact, MissingArtifactError, Modality, Representat
                       StageOutput, UndeclaredArtifactError, validate_artifact)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import ObjectKeeper, get_object_holder
+from deployments.objects import HolderSpec, ObjectKeeper, get_object_holder
 from deployments.previews import av_preview_urls, preview_urls
 
 
@@ -25,8 +25,9 @@ class DecoderServer:
 
     def __init__(self, adapter: str, weights_path: str | None, latent_name: str,
                  max_preview_pixels: int, device: str = "cpu", dtype: str = "float32",
-                 options: dict | None = None, objects: str | None = None):
-        """objects: the graph's ObjectHolder actor name (None: this replica holds its puts)."""
+                 options: dict | None = None, objects: HolderSpec | None = None):
+        """objects: the graph's ObjectHolder actor and its bounds (None: this replica holds
+        its puts)."""
         self.memory_guard = guard_replica_memory(f"Decoder_{latent_name}")
         self.family = get_family(adapter, weights_path, options)
         self.latent_name = latent_name

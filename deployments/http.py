@@ -50,10 +50,11 @@ class HTTPFront:
             payload = parse_rollout_body(await self._read_body(http), self.config.limits)
             requests = self._from_http(payload)
             results = await self.rollout(requests, preview=payload.include_media)
-            answer = JSONResponse({"results": [_result_json(p, r) for p, r in
-                                               zip(payload.prompts, results)]})
-            await self.release([r.request_id for r in results])    # no tensor leaves by HTTP
-            return answer
+            try:
+                return JSONResponse({"results": [_result_json(p, r) for p, r in
+                                                 zip(payload.prompts, results)]})
+            finally:                 # no tensor leaves by HTTP, answered or not
+                await self.release([r.request_id for r in results])
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
             return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])

@@ -33,7 +33,7 @@ from deployments.failures import replica_died, replica_failed
 from deployments.http import HTTPFront, stage_error
 from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
-from deployments.objects import get_object_holder, holder_name
+from deployments.objects import get_object_holder
 from diffusion.step import doubles_rows
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
 
@@ -68,7 +68,7 @@ class RolloutGraph(HTTPFront):
         self._prompt_checkers: tuple[str, ...] | None = None   # required scorers with a check
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
-        self.objects = get_object_holder(holder_name(config.app_name))   # the stages' outputs
+        self.objects = get_object_holder(config.object_holder)   # the stages' outputs
 
     # ---------------------------------------------------------------- handle API
     async def rollout(self, requests: RolloutRequest | Sequence[RolloutRequest],
@@ -80,8 +80,14 @@ class RolloutGraph(HTTPFront):
         check_s = time.perf_counter() - t0
         rows = sum(r.sampling.samples_per_prompt for r in batch)
         with self.metrics.track(rows):
-            return list(await asyncio.gather(*(self._one(r, names, media, preview, check_s)
-                                               for r, (names, media) in zip(batch, checked))))
+            results = await asyncio.gather(*(self._one(r, names, media, preview, check_s)
+                                             for r, (names, media) in zip(batch, checked)),
+                                           return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:   # the call fails whole: no caller will fetch or release any of its outputs
+            await self.release([r.request_id for r in batch])
+            raise failed[0]
+        return list(results)
 
     async def release(self, request_ids: Sequence[str]) -> int:
         """The caller has fetched these requests' outputs: the stages' object-store copies go
@@ -245,6 +251,23 @@ class RolloutGraph(HTTPFront):
         muxed = self._muxed_video(decoded_by_latent) if preview else {}
         responses = {latent: self.decoders[latent].decode.remote(stage, names, preview)
                      for latent, names in decoded_by_latent.items() if latent not in muxed}
+        unread = dict(responses)   # decoder calls not awaited yet
+        try:
+            return await self._decode_and_score(request, requested, media, preview, stage,
+                                                responses, unread, muxed, decoded_by_latent,
+                                                t_start, t_rollout, check_s)
+        except BaseException:
+            # decoders still running would put outputs after the caller releases this request:
+            # let them finish first, so the release finds (and drops) everything they made
+            await asyncio.gather(*unread.values(), return_exceptions=True)
+            raise
+
+    async def _decode_and_score(self, request, requested, media, preview, stage, responses,
+                                unread, muxed, decoded_by_latent, t_start, t_rollout,
+                                check_s) -> GraphResult:
+        """`_one` from the rollout stage's output on; `unread`: the decoder calls it has not
+        awaited yet (each removed as it is awaited)."""
+        rid = request.request_id
         artifacts = {n: h for n, h in stage.artifacts.items() if n in requested}
         previews: dict[str, tuple[str, ...]] = {}
         refs = {}                  # decoded outputs, taken: what the scorers read
@@ -254,6 +277,7 @@ class RolloutGraph(HTTPFront):
                 response = responses[latent] if latent in responses else \
                     self.decoders[latent].decode.remote(stage, decoded_by_latent[latent],
                                                         preview, outs[muxed[latent]])
+                unread.pop(latent, None)
                 refs[latent] = await self._taken(f"decoder.{latent}", response, rid)
                 out: StageOutput = await self._stage_result(f"decoder.{latent}", refs[latent],
                                                             rid)

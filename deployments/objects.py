@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import ray
@@ -34,13 +35,15 @@ from contract import ArtifactHandle, MediaArtifact
 
 TRAJECTORY = "trajectory"            # the name a rollout's trajectory is held under
 NAMESPACE = "omni"
+DEFAULT_TTL_S = 600.0                # GraphConfig.objects' defaults
+DEFAULT_MAX_OBJECTS = 65536
 
 
 class HeldRefs:
     """References held by (request id, name), oldest first, bounded by age and count; ages
     read from `clock` (seconds, monotonic)."""
 
-    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  clock: Callable[[], float] = time.monotonic):
         self.ttl_s, self.max_objects, self.clock = ttl_s, max_objects, clock
         self._refs: deque[tuple[float, str | None, str | None, Any]] = deque()
@@ -71,7 +74,7 @@ class HeldRefs:
 class ObjectHolder:
     """The one holder of the graph's stage outputs (a Ray actor body)."""
 
-    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  clock: Callable[[], float] = time.monotonic):
         self.held = HeldRefs(ttl_s, max_objects, clock)
 
@@ -85,24 +88,46 @@ class ObjectHolder:
     def release(self, request_ids: list[str], names: list[str] | None = None) -> int:
         return self.held.release(request_ids, names)
 
+    def configure(self, ttl_s: float, max_objects: int) -> None:
+        """The graph's bounds (GraphConfig.objects), for a holder that outlived a deployment."""
+        self.held.ttl_s, self.held.max_objects = ttl_s, max_objects
+
+    def bounds(self) -> tuple[float, int]:
+        return self.held.ttl_s, self.held.max_objects
+
     def count(self) -> int:
         return len(self.held)
 
 
-def get_object_holder(name: str, create: bool = True) -> Any:
-    """The named holder actor (created detached on the head node when missing)."""
-    if create:
-        return ray.remote(ObjectHolder).options(
-            name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-            num_cpus=0, resources={"node:__internal_head__": 0.001}).remote()
-    return ray.get_actor(name, namespace=NAMESPACE)
+@dataclass(frozen=True)
+class HolderSpec:
+    """Which holder actor a graph's stages hand their outputs to, and its bounds
+    (GraphConfig.objects: how long and how many references a caller that never releases pins)."""
+
+    name: str
+    ttl_s: float = DEFAULT_TTL_S
+    max_objects: int = DEFAULT_MAX_OBJECTS
+
+
+def get_object_holder(spec: HolderSpec | str, create: bool = True) -> Any:
+    """The named holder actor (created detached on the head node when missing, with the spec's
+    bounds; one already running takes them too, so a redeployed graph's bounds hold)."""
+    spec = spec if isinstance(spec, HolderSpec) else HolderSpec(spec)
+    if not create:
+        return ray.get_actor(spec.name, namespace=NAMESPACE)
+    holder = ray.remote(ObjectHolder).options(
+        name=spec.name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, resources={"node:__internal_head__": 0.001}).remote(spec.ttl_s,
+                                                                        spec.max_objects)
+    holder.configure.remote(spec.ttl_s, spec.max_objects)
+    return holder
 
 
 class ObjectKeeper:
     """What a stage replica puts: into the object store, held by the graph's holder actor
     (or, without one, by this keeper) until released or for at most ttl_s."""
 
-    def __init__(self, ttl_s: float = 600.0, max_objects: int = 65536,
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_objects: int = DEFAULT_MAX_OBJECTS,
                  holder: Any | None = None, clock: Callable[[], float] = time.monotonic):
         self.holder = holder
         self.local = HeldRefs(ttl_s, max_objects, clock)

@@ -7,6 +7,7 @@ published version. Outputs leave as object-store handles (contract.transport), n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -19,7 +20,8 @@ from contract import (Condition, PolicyKind, PolicyVersionError, RequestLimits, 
                       StageOutput)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import TRAJECTORY, ObjectKeeper, get_object_holder
+from deployments.objects import (TRAJECTORY, HolderSpec, ObjectKeeper,
+                                 get_object_holder)
 from deployments.policy_store import get_policy_store
 from rollout.config import RolloutConfig
 from rollout.strategy import DiffusionStrategy, build_strategy
@@ -35,10 +37,38 @@ def seen_token_ids(cond: Condition, negative: Condition | None) -> dict[str, tup
     return seen
 
 
+class KeyedLocks:
+    """One asyncio.Lock per key while some call holds or waits for it: an entry goes with its
+    last user, so the map is bounded by the calls in flight, not by every distinct key (policy
+    version string) a client ever sent. One event loop uses it (no thread locking)."""
+
+    def __init__(self):
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str):
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 class DiTRolloutServer:
     def __init__(self, rollout: RolloutConfig, policy_store: str, limits: RequestLimits,
-                 objects: str | None = None):
-        """objects: the graph's ObjectHolder actor name (None: this replica holds its puts)."""
+                 objects: HolderSpec | None = None):
+        """objects: the graph's ObjectHolder actor and its bounds (None: this replica holds
+        its puts)."""
         self.memory_guard = guard_replica_memory("DiTRollout")
         strategy = build_strategy(rollout, limits)     # the graph's limits, as the ingress's
         if not isinstance(strategy, DiffusionStrategy):
@@ -49,14 +79,13 @@ class DiTRolloutServer:
         self.metrics = StageMetrics("rollout")
         self.objects = ObjectKeeper(holder=None if objects is None else
                                     get_object_holder(objects))
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLocks()                  # one per version being loaded
         self.load_seconds: dict[str, dict[str, float]] = {}   # version -> phase -> s
 
     async def _ensure(self, version: str) -> str:
         if version == BASE_VERSION or version in self.engine.versions():
             return version
-        lock = self._locks.setdefault(version, asyncio.Lock())
-        async with lock:
+        async with self._locks.hold(version):
             if version not in self.engine.versions():
                 t0 = time.perf_counter()
                 policy = await self.store.get.remote(version)

@@ -189,7 +189,7 @@ def test_flow_grpo_fast_windows_per_group_and_row_share_weighting(setup):
     adapter, engine, _, learner = setup
     settings = SamplerSettings(num_steps=4, window_size=1, window_range=(0, 3))
     cfg = TrainerConfig(algorithm=Algorithm.FLOW_GRPO, samples_per_prompt=4, sampler=settings,
-                        advantage={"std": "group", "drop_zero_groups": False})
+                        advantage={"std": "group", "zero_advantage": "keep"})
     batch, requests = _fast_batch(adapter, engine, learner, settings)
     windows = [r.sampling.sde_window for r in requests]
     assert windows[0] != windows[1] and all(w[1] - w[0] == 1 and w[1] <= 3 for w in windows)
@@ -204,23 +204,28 @@ def test_flow_grpo_fast_windows_per_group_and_row_share_weighting(setup):
     assert any(float(g.abs().max()) > 0 for g in full)
 
 
-def test_zero_advantage_groups_are_dropped_not_diluting(setup):
+def test_zero_advantage_rows_follow_each_algorithms_reference(setup):
+    """A tied group (advantages all 0): FlowGRPO leaves its rows out by default (flow_grpo drops
+    every A = 0 row), `zero_advantage: keep` trains them at half the step; NFT trains them
+    (DiffusionNFT filters nothing), so a batch of tied groups still steps."""
     adapter, engine, _, learner = setup
     settings = SamplerSettings(num_steps=4, window_size=1, window_range=(0, 3))
     batch, _ = _fast_batch(adapter, engine, learner, settings, tied_first=True)
-    make = lambda drop: TrainerConfig(algorithm=Algorithm.FLOW_GRPO, samples_per_prompt=4,
-                                      sampler=settings,
-                                      advantage={"std": "group", "drop_zero_groups": drop})
-    dropped, m_drop = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch, make(True))
-    kept, m_keep = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner, batch, make(False))
+    make = lambda algorithm, rule: TrainerConfig(
+        algorithm=algorithm, samples_per_prompt=4, sampler=settings,
+        advantage={"std": "group", "zero_advantage": rule})
+    grpo = UPDATES[Algorithm.FLOW_GRPO]
+    dropped, m_drop = _grads_of(grpo, learner, batch, make(Algorithm.FLOW_GRPO, None))
+    kept, m_keep = _grads_of(grpo, learner, batch, make(Algorithm.FLOW_GRPO, "keep"))
     assert (m_drop["zero_adv_groups"], m_drop["trained_rows"]) == (1.0, 4.0)
     assert (m_keep["zero_adv_groups"], m_keep["trained_rows"]) == (1.0, 8.0)
-    alone, _ = _grads_of(UPDATES[Algorithm.FLOW_GRPO], learner,
-                         batch.select(torch.arange(4, 8)), make(False))
+    alone, _ = _grads_of(grpo, learner, batch.select(torch.arange(4, 8)),
+                         make(Algorithm.FLOW_GRPO, "keep"))
     for d, k, a in zip(dropped, kept, alone):
         torch.testing.assert_close(d, a, rtol=1e-4, atol=1e-9)     # the tied group is gone
         torch.testing.assert_close(k, 0.5 * a, rtol=1e-4, atol=1e-9)  # kept, it halves the step
     tied = batch.select(torch.arange(0, 4))
-    for algorithm in (Algorithm.NFT, Algorithm.FLOW_GRPO):
-        grads, m = _grads_of(UPDATES[algorithm], learner, tied, make(True))
-        assert grads is None and m["skipped_zero_advantage"] == 1.0
+    grads, m = _grads_of(grpo, learner, tied, make(Algorithm.FLOW_GRPO, None))
+    assert grads is None and m["skipped_zero_advantage"] == 1.0
+    grads, m = _grads_of(UPDATES[Algorithm.NFT], learner, tied, make(Algorithm.NFT, None))
+    assert grads is not None and m["trained_rows"] == 4.0 and m["nft_r_mean"] == 0.5

@@ -11,18 +11,21 @@ from trainer.run_state import (PolicyEMA, check_resume_config, config_diff, gene
 
 
 def test_ema_decay_every_and_warmup():
-    ema = PolicyEMA(EMAConfig(enabled=True, decay=0.9, every=2))
+    """Against tests/test_algorithms_reference_code.py's EMAModuleWrapper excerpt, derived: an
+    update after step s when (s + 1) % every == 0, decay min(decay, (1 + s) / (10 + s))."""
+    ema = PolicyEMA(EMAConfig(enabled=True, decay=0.9, every=2, warmup=False))
     ema.update(0, {"w": torch.zeros(3)})                       # initialised from the weights
-    ema.update(1, {"w": torch.ones(3)})                        # not an update step
-    assert torch.equal(ema.tensors["w"], torch.zeros(3))
-    ema.update(2, {"w": torch.ones(3)})
+    ema.update(1, {"w": torch.ones(3)})                        # (1 + 1) % 2 == 0: an update
     torch.testing.assert_close(ema.tensors["w"], torch.full((3,), 0.1))
-    warm = PolicyEMA(EMAConfig(enabled=True, decay=0.9, warmup=True))
+    ema.update(2, {"w": torch.full((3,), 5.0)})                # not an update step
+    torch.testing.assert_close(ema.tensors["w"], torch.full((3,), 0.1))
+    assert EMAConfig().warmup                                  # the references always warm up
+    warm = PolicyEMA(EMAConfig(enabled=True, decay=0.9))
     warm.update(0, {"w": torch.zeros(1)})
-    for k, step in enumerate((1, 2)):                          # d_k = min(0.9, (1+k)/(10+k))
+    for step in (1, 2):                                        # d_s = min(0.9, (1+s)/(10+s))
         warm.update(step, {"w": torch.ones(1)})
-    d0, d1 = 1 / 10, 2 / 11
-    torch.testing.assert_close(warm.tensors["w"], torch.tensor([1 - d1 * d0]))
+    d1, d2 = 2 / 11, 3 / 12
+    torch.testing.assert_close(warm.tensors["w"], torch.tensor([1 - d2 * d1]))
 
 
 def test_generator_state_round_trip():

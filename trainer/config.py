@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from contract import Algorithm, ConfigError, SamplerKind, Task
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
-from trainer.algorithms.advantages import AdvantageMode
+from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
 from trainer.datasets import DatasetFormat
 from trainer.learner_config import LearnerConfig, check_recipe
 from trainer.lora import LoRATrainConfig
@@ -126,6 +126,11 @@ class DPOConfig(Model):
 class PipelineConfig(Model):
     mode: PipelineMode = PipelineMode.ASYNC
     max_staleness: int = Field(1, ge=0, description="Sampling-policy versions a batch may lag.")
+    expected_step_s: float = Field(
+        120.0, gt=0, description="Wall seconds one training step is expected to take (rollouts, "
+        "update, publish). A batch's outputs wait in the graph's ObjectHolder until the trainer "
+        "collects them, up to about (1 + max_staleness) steps: the graph's objects.ttl_s must be "
+        "at least HOLD_MARGIN times that (checked at start-up, `check_holder_ttl`).")
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineConfig":
@@ -144,8 +149,10 @@ class AdvantageConfig(Model):
     eps: float = Field(1e-4, gt=0)
     per_reward: bool = Field(False, description="GDPO: normalise each reward within its group, "
                              "combine with the reward weights, normalise over the batch")
-    drop_zero_groups: bool = Field(True, description="leave groups whose advantages are all 0 "
-                                   "out of the update (counted in `zero_adv_groups`)")
+    zero_advantage: ZeroAdvantageRule | None = Field(
+        None, description="rows with advantage 0 left out of the update: keep (none), rows "
+        "(each), groups (of all-zero groups); None = the algorithm's reference code: nft keep "
+        "(DiffusionNFT trains every row), flow_grpo rows (flow_grpo). Not for dpo.")
 
 
 class EMAConfig(Model):
@@ -153,9 +160,10 @@ class EMAConfig(Model):
 
     enabled: bool = False
     decay: float = Field(0.9, ge=0.0, lt=1.0)
-    every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
-    warmup: bool = Field(False, description="decay_k = min(decay, (1 + k) / (10 + k)) at the "
-                         "k-th update (flow_grpo's EMA)")
+    every: int = Field(1, ge=1, description="Optimizer steps between EMA updates: after step s "
+                       "(1 = the first) when (s + 1) % every == 0, as flow_grpo / DiffusionNFT.")
+    warmup: bool = Field(True, description="decay_s = min(decay, (1 + s) / (10 + s)) after "
+                         "optimizer step s (flow_grpo's and DiffusionNFT's EMA); false: decay")
 
 
 class PromptFiles(Model):
@@ -236,6 +244,9 @@ class TrainerConfig(Model):
                 self.nft.train_timesteps > self.sampler.num_steps:
             raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "
                              f"{self.sampler.num_steps} rollout steps a permutation can visit")
+        if self.algorithm is Algorithm.DPO and self.advantage.zero_advantage is not None:
+            raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
+                             "(best, worst) pair per group and a tied group has none")
         check_recipe(self)
         return self
 
@@ -303,3 +314,19 @@ def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
         node[key] = child = dict(child)
         node = child
     node[keys[-1]] = value
+
+
+HOLD_MARGIN = 2.0     # the holder's TTL over the longest a batch's outputs wait to be collected
+
+
+def check_holder_ttl(cfg: "TrainerConfig", graph: GraphConfig) -> None:
+    """The graph's ObjectHolder must keep a batch's outputs until the trainer collects them:
+    objects.ttl_s >= HOLD_MARGIN * (1 + max_staleness) * expected_step_s, else outputs are
+    dropped under a trainer still to fetch them. A ConfigError naming the field."""
+    waits = (1 + cfg.pipeline.max_staleness) * cfg.pipeline.expected_step_s
+    if graph.objects.ttl_s < HOLD_MARGIN * waits:
+        raise ConfigError("the graph's object holder would drop rollout outputs before the "
+                          f"trainer collects them ({1 + cfg.pipeline.max_staleness} steps of "
+                          f"pipeline.expected_step_s={cfg.pipeline.expected_step_s} s, x "
+                          f"{HOLD_MARGIN})", field="graph.objects.ttl_s",
+                          expected=f">= {HOLD_MARGIN * waits}", actual=graph.objects.ttl_s)

@@ -27,7 +27,7 @@ from deployments.failures import RetryBudget
 from trainer import checks
 from trainer.algorithms import old_decay
 from trainer.checkpointing import TrainerCheckpoints
-from trainer.config import PipelineMode, TrainerConfig
+from trainer.config import PipelineMode, TrainerConfig, check_holder_ttl
 from trainer.distributed import build_learners, controller_settings
 from trainer.evaluation import TrainerEvaluation
 from trainer.learner import Learner
@@ -70,6 +70,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         torch.set_num_threads(1)
         self.cfg = cfg
         self.graph = cfg.graph_config()
+        check_holder_ttl(cfg, self.graph)      # before any weight loads
         self.family = get_family(self.graph.adapter, self.graph.weights_path,
                                  self.graph.adapter_options)
         self.learner = Learner.load(self.family, cfg.lora, cfg.optimizer, cfg.seed,

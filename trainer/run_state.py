@@ -116,25 +116,29 @@ class PromptFeed:
 
 
 class PolicyEMA:
-    """theta_ema <- d theta_ema + (1 - d) theta every `every` optimizer steps (the evaluation
-    policy). warmup: d_k = min(decay, (1 + k) / (10 + k)) at the k-th update (flow_grpo)."""
+    """The evaluation policy, flow_grpo's / DiffusionNFT's EMAModuleWrapper.step called after
+    optimizer step s (1 = the first): when (s + 1) % every == 0,
+    theta_ema <- theta_ema + (1 - d_s) (theta - theta_ema), d_s = min(decay, (1 + s) / (10 + s))
+    with warmup, else decay. Initialised from the weights before the first step (step 0).
+    Called once per optimizer step, as DiffusionNFT's trainer calls it (flow_grpo's scripts call
+    it after every micro-batch, repeating an update under gradient accumulation)."""
 
     def __init__(self, cfg: EMAConfig):
         self.cfg = cfg
         self.tensors: dict[str, torch.Tensor] | None = None
-        self.updates = 0
+        self.updates = 0         # updates applied (a count; the decay depends on the step)
 
     def update(self, step: int, current: Mapping[str, torch.Tensor]) -> None:
         if self.tensors is None:
             self.tensors = {k: v.detach().clone().float() for k, v in current.items()}
             return
-        if step % self.cfg.every != 0:
+        if (step + 1) % self.cfg.every != 0:
             return
         d = self.cfg.decay
         if self.cfg.warmup:
-            d = min(d, (1 + self.updates) / (10 + self.updates))
+            d = min(d, (1 + step) / (10 + step))
         for k, v in current.items():
-            self.tensors[k].mul_(d).add_(v.detach().float(), alpha=1 - d)
+            self.tensors[k].add_(v.detach().float() - self.tensors[k], alpha=1 - d)
         self.updates += 1
 
     def state(self) -> dict[str, Any]:

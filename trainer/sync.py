@@ -47,7 +47,8 @@ class PolicyPublisher:
         t1 = time.perf_counter()
         ref = ray.put(packed)
         t2 = time.perf_counter()
-        incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref], self.kind))
+        incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref], self.kind,
+                                                        self.run_tag))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
         self.tensors[version] = packed.unpack()     # the published snapshot, not the caller's

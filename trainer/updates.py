@@ -5,9 +5,9 @@ and the pure losses in trainer/algorithms).
     metrics = UPDATES[Algorithm.NFT](learner, batch, cfg, generator)
     # = run_update(learner, plan_update(Algorithm.NFT, batch, cfg, generator), cfg)
 
-`plan_update` decides what the whole batch defines (advantages, dropped groups, the loss's
-normaliser, the noise seed); `run_update` accumulates the gradient over micro-batches of rows
-(`learner.micro_batch_size`) and over trained timesteps, each term pre-divided by the whole
+`plan_update` decides what the whole batch defines (advantages, dropped zero-advantage rows,
+the loss's normaliser, the noise seed); `run_update` accumulates the gradient over micro-batches
+of rows (`learner.micro_batch_size`) and over trained timesteps, each term pre-divided by the whole
 batch's count, so micro-batches and data-parallel shards (`shard_plan`) sum to the same step.
 Shapes: B = rows (prompts x group size), *S = sampler state, W = window steps.
 """
@@ -24,7 +24,8 @@ from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_i
                                 flow_grpo_loss, group_advantages, nft_loss,
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 trainable_step_indices, transition_kl, velocity_kl,
-                                zero_advantage_groups, KLTarget)
+                                zero_advantage_groups, zero_advantage_rows, KLTarget,
+                                REFERENCE_ZERO_ADVANTAGE)
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -32,12 +33,14 @@ from trainer.rollout_batch import Batch
 from trainer.train_noise import Draw, pair_sigmas, row_randn, row_timesteps
 
 
-def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
+def advantages(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig, adv_clip_max: float
                ) -> tuple[Batch | None, torch.Tensor, dict[str, float]]:
     """Advantages as configured (`cfg.advantage`), clipped to +-adv_clip_max, and the batch
-    without the groups whose advantages are all zero when `drop_zero_groups` (None when none is
-    left). Returns (batch, (B',) advantages, metrics)."""
+    without the zero-advantage rows `advantage.zero_advantage` leaves out (default: what the
+    algorithm's reference code does, REFERENCE_ZERO_ADVANTAGE; None when no row is left).
+    Returns (batch, (B',) advantages, metrics)."""
     a = cfg.advantage
+    rule = a.zero_advantage or REFERENCE_ZERO_ADVANTAGE[algorithm]
     if a.per_reward:
         if not batch.reward_values:
             raise InvalidRequestError("per-reward advantages need the per-scorer values of the "
@@ -48,13 +51,15 @@ def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
         adv = group_advantages(batch.rewards, batch.group_ids,
                                global_std=a.std is StdScope.GLOBAL, ddof=a.ddof, eps=a.eps,
                                adv_clip_max=adv_clip_max)
-    zero = zero_advantage_groups(adv, batch.group_ids)
-    metrics = {"zero_adv_groups": float(len(set(g for g, z in zip(batch.group_ids, zero.tolist())
+    tied = zero_advantage_groups(adv, batch.group_ids)
+    metrics = {"zero_adv_groups": float(len(set(g for g, z in zip(batch.group_ids, tied.tolist())
                                                  if z))),
+               "zero_adv_rows": float((adv == 0).sum()),
                "adv_abs_mean": float(adv.abs().mean())}
-    if not a.drop_zero_groups or not zero.any():
+    drop = zero_advantage_rows(adv, batch.group_ids, rule)
+    if not drop.any():
         return batch, adv, metrics | {"trained_rows": float(batch.rows)}
-    keep = torch.nonzero(~zero).flatten()
+    keep = torch.nonzero(~drop).flatten()
     metrics["trained_rows"] = float(keep.shape[0])
     if keep.shape[0] == 0:
         return None, adv[keep], metrics
@@ -65,8 +70,9 @@ def advantages(batch: Batch, cfg: TrainerConfig, adv_clip_max: float
 @dataclass(frozen=True)
 class UpdatePlan:
     """One optimizer step as the whole batch defines it, computed once (by the controller):
-    the rows to train (zero-advantage groups dropped), each row's loss input, the count the
-    loss averages over, the seed of the rows' training draws and the step-wide metrics.
+    the rows to train (without the zero-advantage rows its rule leaves out), each row's loss
+    input, the count the loss averages over, the seed of the rows' training draws and the
+    step-wide metrics.
 
     A data-parallel worker runs `shard_plan(plan, rank, world)`; every loss term is divided by
     the global `total`, so the sum of the workers' gradients (and metric sums) is the whole
@@ -98,8 +104,8 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
     if algorithm is Algorithm.FLOW_GRPO and not batch.window_groups:
         raise InvalidRequestError("flow_grpo needs stored trajectories", field="trajectory")
     clip = cfg.nft.adv_clip_max if algorithm is Algorithm.NFT else cfg.flow_grpo.adv_clip_max
-    kept, adv, metrics = advantages(batch, cfg, clip)                                  # (B,)
-    if kept is None:        # every group tied: no signal, no step (counted, not faked)
+    kept, adv, metrics = advantages(algorithm, batch, cfg, clip)                       # (B,)
+    if kept is None:        # every row left out: no signal, no step (counted, not faked)
         return UpdatePlan(algorithm, None, None, 0, noise_seed,
                           metrics | {"skipped_zero_advantage": 1.0}, skip=True)
     if algorithm is Algorithm.NFT:

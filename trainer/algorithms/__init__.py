@@ -1,9 +1,10 @@
 """Pure, typed RL losses for flow-matching models: FlowGRPO, DiffusionNFT, Diffusion-DPO."""
 from contract.enums import Algorithm
-from trainer.algorithms.advantages import (AdvantageMode, PreferencePairs, StdScope,
+from trainer.algorithms.advantages import (REFERENCE_ZERO_ADVANTAGE, AdvantageMode,
+                                           PreferencePairs, StdScope, ZeroAdvantageRule,
                                            best_worst_pairs, group_advantages, group_index,
                                            optimality_probability, per_reward_advantages,
-                                           zero_advantage_groups)
+                                           zero_advantage_groups, zero_advantage_rows)
 from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_inputs,
                                     sample_pair_sigmas)
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
@@ -15,7 +16,8 @@ from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, e
 __all__ = [
     "Algorithm", "AdvantageMode", "PreferencePairs", "StdScope", "best_worst_pairs",
     "group_advantages", "group_index", "optimality_probability", "per_reward_advantages",
-    "zero_advantage_groups", "DPOLoss", "DPOPairInputs", "dpo_loss",
+    "zero_advantage_groups", "zero_advantage_rows", "ZeroAdvantageRule",
+    "REFERENCE_ZERO_ADVANTAGE", "DPOLoss", "DPOPairInputs", "dpo_loss",
     "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
     "transition_kl", "velocity_kl",

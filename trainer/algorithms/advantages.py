@@ -13,7 +13,7 @@ from typing import Hashable, Mapping, Sequence
 
 import torch
 
-from contract import ConfigError, InvalidRequestError, NonFiniteError
+from contract import Algorithm, ConfigError, InvalidRequestError, NonFiniteError
 
 
 class AdvantageMode(str, Enum):
@@ -160,12 +160,39 @@ def per_reward_advantages(rewards: Mapping[str, torch.Tensor], weights: Mapping[
 def zero_advantage_groups(advantages: torch.Tensor, group_ids: Sequence[Hashable]
                           ) -> torch.Tensor:
     """(B,) bool: True for the rows of groups whose advantages are all exactly zero (every reward
-    of the group equal, or a group too small for its std). They carry no policy gradient and only
-    dilute the batch; FlowGRPO drops them before the update."""
+    of the group equal, or a group too small for its std)."""
     index, num_groups = group_index(group_ids)
     nonzero = torch.zeros(num_groups, dtype=torch.long).index_add_(
         0, index, (advantages != 0).long())
     return nonzero[index] == 0
+
+
+class ZeroAdvantageRule(str, Enum):
+    """Which rows whose advantage is exactly 0 an update leaves out (before the loss's count)."""
+
+    KEEP = "keep"      # every row trains (DiffusionNFT: A = 0 is r = 1/2, a loss term of its own)
+    ROWS = "rows"      # every row with A = 0, a row at its group's mean too (flow_grpo)
+    GROUPS = "groups"  # only the rows of groups whose advantages are all 0
+
+
+# what each algorithm's reference code does: DiffusionNFT's scripts/train_nft_sd3.py trains the
+# collated samples unfiltered; flow_grpo's scripts/train_sd3.py and train_sd3_fast.py keep
+# `advantages.abs().sum(dim=1) != 0`, per row (then re-add random dropped rows until the count
+# divides their number of micro-batches: not done here, micro-batches take any row count).
+# (DPO trains (best, worst) pairs: tied groups yield none, as Diffusion-DPO drops ties.)
+REFERENCE_ZERO_ADVANTAGE = {Algorithm.NFT: ZeroAdvantageRule.KEEP,
+                            Algorithm.FLOW_GRPO: ZeroAdvantageRule.ROWS}
+
+
+def zero_advantage_rows(advantages: torch.Tensor, group_ids: Sequence[Hashable],
+                        rule: ZeroAdvantageRule) -> torch.Tensor:
+    """(B,) bool: True for the rows `rule` leaves out of the update."""
+    rule = ZeroAdvantageRule(rule)
+    if rule is ZeroAdvantageRule.KEEP:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool)
+    if rule is ZeroAdvantageRule.ROWS:
+        return advantages == 0
+    return zero_advantage_groups(advantages, group_ids)
 
 
 def optimality_probability(advantages: torch.Tensor, adv_clip_max: float,
