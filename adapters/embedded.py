@@ -1,7 +1,9 @@
 """What the embedded families (tiny_t2i, tiny_t2va) share: weights in this project's own layout
 (`adapter.json` + one diffusers `save_pretrained` folder per component, the MiniLM text encoder
-from its package), flow-matching sigmas without shift, and the packed layout of the vLLM-Omni
-engine (fused q/k/v, fc1 in 2 shards ordered (1, 0))."""
+from its package), flow-matching sigmas without shift, the packed layout of the vLLM-Omni
+engine (fused q/k/v, fc1 in 2 shards ordered (1, 0)), and their guidance rule: with no pipeline
+to follow, CFG at any scale but 1 (below 1 interpolates toward the unconditional prompt both
+models were trained with, by caption dropout)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,10 +18,13 @@ from adapters.checkpoint import resolve_dtype
 from adapters.family import ModelFamily
 from adapters.lora_targets import LoRATargetMap
 from adapters.minilm import load_minilm
-from contract import ConfigError, SamplingSpec
+from contract import ConfigError, GuidanceKind, SamplingSpec
+from diffusion.guidance import CFGRule, GuidanceRule
 from diffusion.schedule import flow_match_sigmas
 
 ADAPTER_CONFIG = "adapter.json"
+EMBEDDED_GUIDANCE = GuidanceRule(GuidanceKind.CFG, CFGRule.NOT_ONE,
+                                 source="adapters/embedded.py (the project's own models)")
 
 
 class EmbeddedFamily(ModelFamily):

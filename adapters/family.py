@@ -1,8 +1,9 @@
 """The model seam: one `ModelFamily` per family, with its parts cut by job.
 
     family = get_family("sd3", "/ckpt/sd3.5-medium")       # adapters/registry.py (or "auto")
-    family.spec           declarations: io spec, tasks, time convention, guidance kind, encoders
-                          (+ ETP plan), transformer components, LoRA targets, decoders, defaults
+    family.spec           declarations: io spec, tasks, time convention, guidance rule (its
+                          pipeline's: which scales run CFG), encoders (+ ETP plan), transformer
+                          components, LoRA targets, decoders, defaults
     family.load(name)     one checkpoint component, in a dtype on a device (each stage loads
                           only the components it uses)
     family.sigmas(s)      the sigma table of a sampling spec (incl. resolution-dependent shift)
@@ -27,10 +28,11 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from adapters.checkpoint import load_component, resolve_dtype
-from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, IOSpec, LimitExceededError,
+from contract import (Condition, ConfigError, InvalidRequestError, IOSpec, LimitExceededError,
                       MediaRole, PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
                       TimeConvention, check_limits, normalize_media)
-from diffusion.step import FrozenLatents, doubles_rows
+from diffusion.guidance import GuidanceRule
+from diffusion.step import FrozenLatents, applied_guidance_scale, doubles_rows
 
 
 def parse_options(cls: type[BaseModel], options: Mapping | None, family: str) -> BaseModel:
@@ -101,7 +103,7 @@ class FamilySpec:
     tasks: Mapping[Task, tuple[MediaRole, ...]]
     time_convention: TimeConvention
     model_time_scale: float
-    guidance: GuidanceKind
+    guidance: GuidanceRule                           # kind + when its pipeline runs CFG
     transformers: tuple[str, ...]                    # denoiser components ("transformer", ...)
     lora_targets: Mapping[str, tuple[str, ...]]      # component -> module suffixes (explicit)
     encoders: tuple[EncoderSpec, ...]
@@ -345,6 +347,14 @@ class ModelFamily(ABC):
 
     def load_media_encoders(self, dtype=torch.float32, device="cpu") -> dict[str, nn.Module]:
         return self.load_many(self.spec.media_encoders, dtype, device)
+
+    def sampling_as_run(self, sampling: SamplingSpec) -> SamplingSpec:
+        """`sampling` with the guidance scale its rows run at (1 where the family's rule runs
+        the conditional branch alone): what the rollout records."""
+        scale = applied_guidance_scale(self.spec.guidance, sampling.guidance_scale)
+        if scale == sampling.guidance_scale:
+            return sampling
+        return sampling.model_copy(update={"guidance_scale": scale})
 
     # ---- request checks (the ingress and the rollout stage share these) ---------------------
     def validate_request(self, request: RolloutRequest,

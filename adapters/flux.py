@@ -10,8 +10,13 @@ As FluxPipeline (diffusers 0.42.1, pipeline_flux.py):
   sigmas       linspace(1, 1/N, N) through the scheduler with mu = calculate_shift(seq length)
   model time   timestep = 1000 sigma, the transformer gets timestep / 1000
   guidance     FLUX.1-dev is guidance-distilled: the scale is a model input (EMBEDDED), one
-               forward per row, no negative prompt; a checkpoint without guidance embeddings
-               (schnell) takes no guidance at all (NONE)
+               forward per row, any scale (pipeline_flux.py:847-848); a checkpoint without
+               guidance embeddings (schnell) takes no guidance at all (NONE: the pipeline
+               ignores the scale, the project refuses any but 1). True CFG
+               (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`, pipeline_flux.py:771)
+               needs a negative prompt, which the project refuses: it never runs.
+Checkpoints saved by any pipeline class over these components load (adapters/registry.py); a
+transformer that takes condition channels (FLUX.1 Fill / Control) is refused.
   ids          txt_ids zeros (L, 3); img_ids [0, row, col] of the packed grid
 CLIP truncates to 77 tokens as the pipeline does (recorded); T5 rejects prompts longer than
 `max_sequence_length`.
@@ -32,10 +37,12 @@ from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, Flo
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
                              Overflow, parse_options)
+from adapters.registry import pipeline_class_of
 from adapters.sd3 import image_io_spec
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
                       PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
                       TimeConvention)
+from diffusion.guidance import GuidanceRule
 
 FLUX_LORA_TARGETS = (
     # double-stream blocks (transformer_blocks.*): image and text streams
@@ -131,18 +138,23 @@ class FluxCodec(OneLatentCodec):
 class FluxFamily(ModelFamily):
     """FluxPipeline checkpoints (FLUX.1-dev with guidance embeddings, FLUX.1-schnell without)."""
 
-    pipeline_class = "FluxPipeline"
-
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root)
         index = read_model_index(self.root)
-        if index["_class_name"] != self.pipeline_class:
-            raise ConfigError("the checkpoint is not a FluxPipeline", field="weights_path",
-                              expected=self.pipeline_class, actual=index["_class_name"])
+        self.pipeline_class = pipeline_class_of("flux", index)
         self.options = parse_options(FluxOptions, options, "flux")
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = ImageVAE(self.root)
+        packed = 4 * vae.latent_channels                  # 2x2 latent patches per token
+        for key in ("in_channels", "out_channels"):
+            value = transformer.get(key) or transformer.get("in_channels")
+            if value != packed:
+                raise ConfigError("the transformer's channels are not the VAE's packed "
+                                  "latents (a Fill / Control transformer takes condition "
+                                  "channels: not served)",
+                                  field=f"weights_path.transformer.{key}", expected=packed,
+                                  actual=value)
         encoders = (EncoderSpec("clip", "text_encoder", "tokenizer",
                                 tokenizer_max_length(self.root, "tokenizer"), Overflow.TRUNCATE,
                                 CLIP_TEXT_MODEL_ETP_PLAN,
@@ -150,8 +162,9 @@ class FluxFamily(ModelFamily):
                     EncoderSpec("t5", "text_encoder_2", "tokenizer_2",
                                 self.options.max_sequence_length, Overflow.REJECT, T5_ETP_PLAN,
                                 encoder_vocab_size(self.root, "text_encoder_2")))
-        guidance = GuidanceKind.EMBEDDED if transformer.get("guidance_embeds") else \
-            GuidanceKind.NONE
+        guidance = GuidanceRule(GuidanceKind.EMBEDDED, source="pipeline_flux.py:847") if \
+            transformer.get("guidance_embeds") else \
+            GuidanceRule(GuidanceKind.NONE, source="pipeline_flux.py:850")
         side = 128 * vae.scale_factor       # FLUX.1's native 1024 px
         self.spec = FamilySpec(
             name="flux", io_spec=image_io_spec(Layout.TOKENS), tasks={Task.T2I: ()},

@@ -19,6 +19,10 @@ As LTX2Pipeline / LTX2ImageToVideoPipeline / LTX2ConditionPipeline (diffusers 0.
               guidance rescale phi per stream, back to a velocity (diffusion.guidance.GuidanceForm,
               applied by diffusion/step.py). Video uses the request's guidance_scale, audio the
               configured audio_guidance_scale (the pipeline's default 7; None = the video scale).
+              CFG runs when guidance_scale > 1 or audio_guidance_scale > 1
+              (`do_classifier_free_guidance`, pipeline_ltx2.py:903, pipeline_ltx2_image2video.py:957,
+              pipeline_ltx2_condition.py:1322), with both streams' deltas (a video scale <= 1 is
+              applied as such); otherwise the conditional branch alone.
               STG and modality-isolation guidance each need another forward per step: not
               supported; stg_scale != 0 or modality_scale != 1 is a ConfigError.
   sampler     one sampler over both streams: same sigma, same SDE noise level, per-entry noise,
@@ -26,6 +30,8 @@ As LTX2Pipeline / LTX2ImageToVideoPipeline / LTX2ConditionPipeline (diffusers 0.
   conditions  first frame in place (frozen tokens, timestep 0), a last frame as appended
               keyframe tokens at their own positions (frozen, timestep 0); frames must be uint8
               at the request size (never resized).
+Folders saved by any LTX-2 pipeline class over these components load (adapters/registry.py)
+and serve every task above.
 """
 from __future__ import annotations
 
@@ -44,10 +50,11 @@ from adapters.family import EncoderSpec, FamilySpec, MediaCondition, ModelFamily
 from adapters.ltx2_codec import CONDITION_MASK, LTX2Codec, LTX2Dims
 from adapters.ltx2_text import (CONNECTORS, GEMMA, GEMMA3_ETP_PLAN, TEXT_ENCODER,
                                 GemmaConditioner, LTX2TextStack)
+from adapters.registry import pipeline_class_of
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, MediaFormatError, MediaRole, Modality, Representation,
                       RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
-from diffusion.guidance import GuidanceForm, GuidanceSpace, GuidanceStream
+from diffusion.guidance import CFGRule, GuidanceForm, GuidanceRule, GuidanceSpace, GuidanceStream
 
 # every attention of both streams (self, text cross, audio<->video cross) and both FFs
 LTX2_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
@@ -162,16 +169,12 @@ class LTX2Denoiser:
 
 
 class LTX2Family(ModelFamily):
-    """LTX2Pipeline checkpoints (LTX-2.0 layout): T2VA, I2VA (first frame), FL2VA."""
-
-    pipeline_class = "LTX2Pipeline"
+    """LTX-2 checkpoints (LTX-2.0 layout): T2VA, I2VA (first frame), FL2VA."""
 
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root)
         index = read_model_index(self.root)
-        if index["_class_name"] != self.pipeline_class:
-            raise ConfigError("the checkpoint is not an LTX2Pipeline", field="weights_path",
-                              expected=self.pipeline_class, actual=index["_class_name"])
+        self.pipeline_class = pipeline_class_of("ltx2", index)
         self.options = parse_options(LTX2Options, options, "ltx2")
         o = self.options
         self.schedule = LTX2Schedule(self.root)
@@ -207,7 +210,10 @@ class LTX2Family(ModelFamily):
                 defaults=("video_latent", "audio_latent", "video", "audio")),
             tasks={Task.T2VA: (), Task.I2VA: (MediaRole.FIRST_FRAME,), Task.FL2VA: FRAME_ROLES},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
-            guidance=GuidanceKind.CFG, transformers=("transformer",),
+            guidance=GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE,
+                                  () if audio_scale is None else (audio_scale,),
+                                  source="pipeline_ltx2.py:903"),
+            transformers=("transformer",),
             lora_targets={"transformer": LTX2_LORA_TARGETS}, encoders=(encoder,),
             decoders={"video_latent": ("vae",), "audio_latent": ("audio_vae", "vocoder")},
             media_encoders=("vae",),
@@ -283,15 +289,6 @@ class LTX2Family(ModelFamily):
         except InvalidRequestError as exc:
             exc.request_id = rid
             raise
-        g, a = sampling.guidance_scale, self.audio_guidance_scale
-        audio = g if a is None else a
-        if (g > 1 or audio > 1) != (g != 1):      # the pipeline's CFG decision vs the project's
-            raise InvalidRequestError(
-                f"LTX2Pipeline runs CFG when guidance_scale > 1 or audio_guidance_scale > 1; "
-                f"at guidance_scale {g} with audio_guidance_scale {audio} the project would "
-                "decide otherwise (it doubles rows exactly when guidance_scale != 1)",
-                field="sampling.guidance_scale", expected="> 1, or audio_guidance_scale null",
-                actual=g, request_id=rid)
         for role, frame in media.items():
             want = (3, sampling.height, sampling.width)
             if frame.dtype != torch.uint8 or tuple(frame.shape) != want:

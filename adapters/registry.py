@@ -54,14 +54,37 @@ FAMILIES: dict[str, Callable[[str | Path | None, Mapping | None], ModelFamily]] 
     "wan": _wan,
 }
 
-# model_index.json `_class_name` -> family name (what `adapter: auto` resolves)
-PIPELINE_CLASSES: dict[str, str] = {
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "LTX2Pipeline": "ltx2",
-    "WanPipeline": "wan",
-    "WanImageToVideoPipeline": "wan",
+# family -> the model_index.json `_class_name`s it accepts: every diffusers pipeline class that
+# loads over the family's components (same component names and classes). Which tasks a folder
+# serves is its components' business (the transformer's channels, an image encoder), never the
+# class name's; components a family cannot serve are refused by the family, naming them.
+PIPELINE_CLASSES: dict[str, tuple[str, ...]] = {
+    "sd3": ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
+            "StableDiffusion3InpaintPipeline", "StableDiffusion3PAGPipeline",
+            "StableDiffusion3PAGImg2ImgPipeline"),
+    "flux": ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline",
+             "FluxKontextInpaintPipeline", "FluxFillPipeline", "FluxControlPipeline",
+             "FluxControlImg2ImgPipeline", "FluxControlInpaintPipeline", "VisualClozePipeline",
+             "VisualClozeGenerationPipeline"),
+    "ltx2": ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline",
+             "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2DFRPipeline"),
+    "wan": ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
+            "LucyEditPipeline"),
 }
+# model_index.json `_class_name` -> family name (what `adapter: auto` resolves)
+FAMILY_OF_PIPELINE: dict[str, str] = {cls: family for family, classes in PIPELINE_CLASSES.items()
+                                      for cls in classes}
+
+
+def pipeline_class_of(family: str, index: Mapping) -> str:
+    """The checkpoint's pipeline class (model_index.json `_class_name`) if `family` accepts it,
+    else ConfigError naming weights_path."""
+    cls = index["_class_name"]
+    if cls not in PIPELINE_CLASSES[family]:
+        raise ConfigError(f"the checkpoint's pipeline class is not one {family} loads over its "
+                          "components", field="weights_path",
+                          expected=list(PIPELINE_CLASSES[family]), actual=cls)
+    return cls
 
 EMBEDDED = ("tiny_t2i", "tiny_t2va")     # families that ship their weights (path optional)
 
@@ -73,11 +96,11 @@ def family_name(name: str, path: str | Path | None) -> str:
             raise ConfigError("adapter 'auto' needs a checkpoint path", field="weights_path",
                               expected="a local diffusers checkpoint", actual=None)
         cls = read_model_index(path)["_class_name"]
-        if cls not in PIPELINE_CLASSES:
+        if cls not in FAMILY_OF_PIPELINE:
             raise ConfigError("no family serves this checkpoint's pipeline class",
-                              field="weights_path", expected=sorted(PIPELINE_CLASSES),
+                              field="weights_path", expected=sorted(FAMILY_OF_PIPELINE),
                               actual=cls)
-        return PIPELINE_CLASSES[cls]
+        return FAMILY_OF_PIPELINE[cls]
     if name not in FAMILIES:
         raise ConfigError(f"unknown adapter {name!r}", field="adapter",
                           expected=sorted([*FAMILIES, AUTO]), actual=name)

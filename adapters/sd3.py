@@ -11,6 +11,10 @@ As StableDiffusion3Pipeline (diffusers 0.42.1, pipeline_stable_diffusion_3.py):
   model time    = 1000 sigma (NOISE_LEVEL), true CFG ([uncond; cond] rows), negative prompt or
                   the empty prompt as the unconditional branch; latents (B, C, H/8, W/8) in the
                   VAE's scaled space (output_type="latent").
+  guidance      CFG only at guidance_scale > 1 (`do_classifier_free_guidance`,
+                  pipeline_stable_diffusion_3.py:681; img2img :741, inpaint :829): at or below
+                  1 the conditional branch alone.
+Checkpoints saved by any pipeline class over these components load (adapters/registry.py).
 CLIP windows truncate to 77 tokens as the pipeline does (recorded in PromptBundle.truncated);
 T5 rejects prompts longer than `max_sequence_length` (the pipeline would cut them silently).
 """
@@ -30,13 +34,17 @@ from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, 
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (EncoderSpec, FamilySpec, ModelFamily, OneLatentCodec, Overflow,
                              parse_options)
-from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+from adapters.registry import pipeline_class_of
+from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, Modality, PromptBundle, Representation, SamplingSpec, Task,
                       TimeConvention)
+from diffusion.guidance import CFGRule, GuidanceRule
 
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+SD3_GUIDANCE = GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE,
+                            source="pipeline_stable_diffusion_3.py:681")
 
 
 class SD3Options(BaseModel):
@@ -113,15 +121,10 @@ def image_io_spec(layout: Layout) -> IOSpec:
 class SD3Family(ModelFamily):
     """StableDiffusion3Pipeline checkpoints (SD3-medium, SD3.5-medium / large / turbo)."""
 
-    pipeline_class = "StableDiffusion3Pipeline"
-
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root)
         index = read_model_index(self.root)
-        if index["_class_name"] != self.pipeline_class:
-            raise ConfigError("the checkpoint is not a StableDiffusion3Pipeline",
-                              field="weights_path", expected=self.pipeline_class,
-                              actual=index["_class_name"])
+        self.pipeline_class = pipeline_class_of("sd3", index)
         self.options = parse_options(SD3Options, options, "sd3")
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
@@ -141,7 +144,7 @@ class SD3Family(ModelFamily):
         self.spec = FamilySpec(
             name="sd3", io_spec=image_io_spec(Layout.LATENT_CHW), tasks={Task.T2I: ()},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
-            guidance=GuidanceKind.CFG, transformers=("transformer",),
+            guidance=SD3_GUIDANCE, transformers=("transformer",),
             lora_targets={"transformer": SD3_LORA_TARGETS}, encoders=tuple(encoders),
             decoders={"image_latent": ("vae",)},
             sampling_defaults={"height": side, "width": side, "num_frames": 1})

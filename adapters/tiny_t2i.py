@@ -19,11 +19,11 @@ from diffusers import AutoencoderKL, SD3Transformer2DModel
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.embedded import EmbeddedFamily
+from adapters.embedded import EMBEDDED_GUIDANCE, EmbeddedFamily
 from adapters.family import FamilySpec, OneLatentCodec
 from adapters.lora_targets import LoRATarget, LoRATargetMap
 from adapters.minilm import ENCODER, PACKAGE, MiniLMConditioner, minilm_encoder_spec
-from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
+from contract import (ArtifactSpec, Condition, InvalidRequestError,
                       IOSpec, Layout, Modality, Representation, SamplingSpec, Task,
                       TimeConvention)
 
@@ -164,7 +164,7 @@ class TinyT2IFamily(EmbeddedFamily):
                 defaults=("image_latent", "image")),
             tasks={Task.T2I: ()},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
-            guidance=GuidanceKind.CFG,
+            guidance=EMBEDDED_GUIDANCE,
             transformers=("transformer",),
             lora_targets={"transformer": SD3_LORA_TARGETS},
             encoders=(minilm_encoder_spec(config.max_text_tokens, config.text_encoder),),

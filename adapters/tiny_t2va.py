@@ -25,14 +25,14 @@ from diffusers import AutoencoderKL
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.embedded import EmbeddedFamily
+from adapters.embedded import EMBEDDED_GUIDANCE, EmbeddedFamily
 from adapters.family import Codec, FamilySpec, MediaCondition
 from adapters.lora_targets import LoRATarget, LoRATargetMap
 from adapters.minilm import MiniLMConditioner, minilm_encoder_spec
 from adapters.tiny_audio_vae import TinyAudioVAE
 from adapters.tiny_t2i import vae_decode, vae_encode
 from adapters.tiny_t2va_model import TinyAVTransformer
-from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
+from contract import (ArtifactSpec, Condition, InvalidRequestError,
                       IOSpec, Layout, MediaFormatError, MediaRole, Modality, Representation,
                       SamplingSpec, Task, TimeConvention)
 from diffusion.step import FrozenLatents
@@ -284,7 +284,7 @@ class TinyT2VAFamily(EmbeddedFamily):
                 defaults=("video_latent", "audio_latent", "video", "audio")),
             tasks={Task.T2VA: (), Task.FL2VA: FRAME_ROLES},
             time_convention=TimeConvention.DATA_PROGRESS, model_time_scale=1000.0,
-            guidance=GuidanceKind.CFG,
+            guidance=EMBEDDED_GUIDANCE,
             transformers=("transformer",),
             lora_targets={"transformer": ("attn.to_q", "attn.to_k", "attn.to_v",
                                           "attn.to_out.0", "ff.net.0.proj")},

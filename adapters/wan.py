@@ -12,7 +12,9 @@ As the pipelines do (diffusers 0.42.1; pieces in adapters/wan_parts.py):
   sigmas       scheduler.set_timesteps(n) (no sigmas, no mu)
   model time   timestep = 1000 sigma (NOISE_LEVEL), the model predicts v = eps - x0
   guidance     true CFG, negative prompt or "" as the unconditional branch; the pipeline runs
-               cond and uncond as two forwards, the project batches [uncond; cond] rows
+               cond and uncond as two forwards, the project batches [uncond; cond] rows; CFG
+               only at guidance_scale > 1 (`do_classifier_free_guidance`, pipeline_wan.py:364,
+               pipeline_wan_i2v.py:492): at or below 1 the conditional branch alone
   experts      Wan 2.2: timestep >= boundary_ratio * num_train_timesteps runs `transformer`,
                below it `transformer_2`, chosen per row (rows of one forward may straddle the
                boundary); the low-noise expert's guidance_scale_2 is the pipeline's default
@@ -21,6 +23,9 @@ As the pipelines do (diffusers 0.42.1; pieces in adapters/wan_parts.py):
                features, per request (MediaCondition.inputs "condition", "image_embeds")
 UMT5 rejects prompts longer than `max_sequence_length` (the pipeline truncates silently).
 Not served: Wan 2.2 TI2V-5B (`expand_timesteps`, per-token timesteps), first-last-frame (FLF2V).
+The task is the components': a transformer taking the latents alone (in_channels = z) serves
+T2V, one taking mask + condition latents too (2 z + 4) serves I2V, whichever pipeline class
+(adapters/registry.py) saved the folder.
 """
 from __future__ import annotations
 
@@ -35,17 +40,19 @@ from adapters.checkpoint import load_component, read_json, read_model_index
 from adapters.diffusers_parts import UMT5_ETP_PLAN, FlowSchedule, encoder_vocab_size
 from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
                              Overflow, parse_options)
+from adapters.registry import pipeline_class_of
 from adapters.wan_parts import (UMT5Conditioner, UniPCHandling, WanVAE, check_condition_image,
                                 clip_image_embeds, schedule_config, unipc_spacing)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, MediaRole, Modality, Representation, RequestLimits,
                       RolloutRequest, SamplingSpec, Task, TimeConvention)
+from diffusion.guidance import CFGRule, GuidanceRule
 
 WAN_LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
                     "ffn.net.0.proj", "ffn.net.2")
 IMAGE_KV_TARGETS = ("attn2.add_k_proj", "attn2.add_v_proj")      # I2V image cross-attention
-PIPELINES = {"WanPipeline": Task.T2V, "WanImageToVideoPipeline": Task.I2V}
+WAN_GUIDANCE = GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE, source="pipeline_wan.py:364")
 EXPERTS = ("transformer", "transformer_2")                       # high-noise, low-noise
 I2V_TEXT_TOKENS = 512     # WanAttnProcessor splits image tokens off at this text length
 
@@ -189,11 +196,8 @@ class WanFamily(ModelFamily):
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root)
         index = read_model_index(self.root)
-        if index["_class_name"] not in PIPELINES:
-            raise ConfigError("the checkpoint is not a Wan pipeline", field="weights_path",
-                              expected=sorted(PIPELINES), actual=index["_class_name"])
+        self.pipeline_class = pipeline_class_of("wan", index)
         self.options = parse_options(WanOptions, options, "wan")
-        task = PIPELINES[index["_class_name"]]
         if index.get("expand_timesteps"):
             raise ConfigError("Wan 2.2 TI2V (expand_timesteps: per-token timesteps) is not "
                               "served", field="weights_path.expand_timesteps", expected=False,
@@ -209,6 +213,7 @@ class WanFamily(ModelFamily):
         transformer = read_json(self.root, "transformer", "config.json")
         self._check_experts(experts, transformer)
         self.vae = WanVAE(self.root)
+        task = self._task(transformer)
         image_features = task is Task.I2V and transformer.get("image_dim") is not None
         self._check_channels(task, transformer, index, image_features)
         config, self.unipc_spacing = schedule_config(self.root, self.options.unipc)
@@ -232,7 +237,7 @@ class WanFamily(ModelFamily):
             name="wan", io_spec=video_io_spec(self.options.fps),
             tasks={task: () if task is Task.T2V else (MediaRole.FIRST_FRAME,)},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
-            guidance=GuidanceKind.CFG, transformers=experts,
+            guidance=WAN_GUIDANCE, transformers=experts,
             lora_targets={e: targets for e in experts},
             encoders=(EncoderSpec("umt5", "text_encoder", "tokenizer", window, Overflow.REJECT,
                                   UMT5_ETP_PLAN,
@@ -253,6 +258,19 @@ class WanFamily(ModelFamily):
                     raise ConfigError("the two experts disagree on their inputs",
                                       field=f"weights_path.{expert}.{key}",
                                       expected=transformer.get(key), actual=other.get(key))
+
+    def _task(self, transformer: Mapping) -> Task:
+        """T2V or I2V, by what the transformer takes in (the latents alone, or with the
+        mask and condition latents)."""
+        z = self.vae.z_dim
+        tasks = {z: Task.T2V, 2 * z + self.vae.temporal: Task.I2V}
+        channels = transformer.get("in_channels")
+        if channels not in tasks:
+            raise ConfigError("the transformer's input channels are neither text-to-video's "
+                              "nor image-to-video's (another Wan task: not served)",
+                              field="weights_path.transformer.in_channels",
+                              expected=sorted(tasks), actual=channels)
+        return tasks[channels]
 
     def _check_channels(self, task: Task, transformer: Mapping, index: Mapping,
                         image_features: bool) -> None:

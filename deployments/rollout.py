@@ -137,7 +137,7 @@ class DiTRolloutServer:
                            stop_reason=out.stop_reason, trajectory=trajectory,
                            metrics={**out.metrics, "rollout_stage_s": time.perf_counter() - t0},
                            encoded_token_ids=seen_token_ids(cond, negative),
-                           sampling=request.sampling)
+                           sampling=self.strategy.family.sampling_as_run(request.sampling))
 
     async def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
                         scale: float = 1.0) -> tuple[str, ...]:

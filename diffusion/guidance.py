@@ -15,8 +15,55 @@ from enum import Enum
 
 import torch
 
+from contract.enums import GuidanceKind
 from contract.errors import ConfigError, InvalidRequestError
 from diffusion._checks import check_float_tensor, check_row_sigma, check_same_shape, rows
+
+
+# ---- the guidance decision a family declares -------------------------------------------------
+# Which request scales run CFG is the family's pipeline's rule (FamilySpec.guidance), applied by
+# diffusion/step.py `doubles_rows` only. A scale at which the pipeline runs the conditional branch
+# alone runs it alone here too, and is recorded as the scale it ran at: 1.
+
+
+class CFGRule(str, Enum):
+    """When a true-CFG family runs the unconditional branch."""
+
+    ABOVE_ONE = "above_one"    # scale > 1 (diffusers' `do_classifier_free_guidance`); at or
+                               # below 1 the conditional branch alone
+    NOT_ONE = "not_one"        # any scale but 1 (below 1 interpolates toward the unconditional)
+
+
+@dataclass(frozen=True)
+class GuidanceRule:
+    """A family's guidance: its kind and, for true CFG, when the pipeline guides.
+
+    kind: NONE (no guidance input: any scale but 1 is refused, naming sampling.guidance_scale),
+    EMBEDDED (the scale is a model input, one forward, any scale), CFG (rows doubled with the
+    unconditional prompt when `cfg` says so). stream_scales: fixed scales of other guided streams
+    that turn CFG on by themselves when > 1 (LTX-2's audio_guidance_scale). source: the
+    pipeline's rule, file:line, for errors and documentation."""
+
+    kind: GuidanceKind
+    cfg: CFGRule = CFGRule.ABOVE_ONE
+    stream_scales: tuple[float, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GuidanceKind) or not isinstance(self.cfg, CFGRule):
+            raise ConfigError("a guidance rule is a GuidanceKind and a CFGRule",
+                              field="guidance", actual=(self.kind, self.cfg))
+        if self.stream_scales and self.kind is not GuidanceKind.CFG:
+            raise ConfigError("only true CFG has stream scales", field="guidance.stream_scales",
+                              expected=(), actual=self.stream_scales)
+
+    def guides(self, scale: float) -> bool:
+        """Whether rows at this scale run the unconditional branch too (no refusal here)."""
+        if self.kind is not GuidanceKind.CFG:
+            return False
+        if self.cfg is CFGRule.NOT_ONE:
+            return scale != 1.0
+        return scale > 1.0 or any(s > 1.0 for s in self.stream_scales)
 
 
 def cfg_velocity(v_uncond: torch.Tensor, v_cond: torch.Tensor,

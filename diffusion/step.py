@@ -3,7 +3,8 @@
 Every caller runs this: the embedded engine (rows of many requests in one call), the vLLM-Omni
 pipeline, the learner (with autograd), the start-up checks, the sample scripts and the benches.
 
-    guided = doubles_rows(kind, guidance_scale)      # the one guidance decision
+    guided = doubles_rows(rule, guidance_scale)      # the one guidance decision, by the
+                                                     # family's declared GuidanceRule
     v      = predict_velocity(denoiser, models, x, sigma, cond, guidance, media)
                                                      # CFG combined as the denoiser's declared
                                                      # guidance_form (diffusion/guidance.py)
@@ -27,7 +28,7 @@ from contract.conditions import Condition
 from contract.enums import GuidanceKind, SamplerKind, TimeConvention
 from contract.errors import InvalidRequestError
 from diffusion.conventions import model_time, to_sigma_velocity
-from diffusion.guidance import STREAM_BOUNDS, VELOCITY_CFG, GuidanceForm
+from diffusion.guidance import STREAM_BOUNDS, VELOCITY_CFG, GuidanceForm, GuidanceRule
 from diffusion.samplers import SolverHistory, StepOutput, log_density, sampler_step
 
 Models = Mapping[str, torch.nn.Module]      # component name -> module (e.g. "transformer")
@@ -49,14 +50,24 @@ class Denoiser(Protocol):
                 guidance: torch.Tensor | None) -> torch.Tensor: ...
 
 
-def doubles_rows(kind: GuidanceKind, guidance_scale: float,
+def doubles_rows(rule: GuidanceRule, guidance_scale: float,
                  field: str = "sampling.guidance_scale") -> bool:
-    """Whether a request's rows run twice (conditional + unconditional): true CFG at a scale
-    other than 1. A family without guidance refuses any scale but 1."""
-    if kind is GuidanceKind.NONE and guidance_scale != 1.0:
+    """Whether a request's rows run twice (conditional + unconditional), by the family's
+    declared rule (its pipeline's). A family without guidance refuses any scale but 1."""
+    if not isinstance(rule, GuidanceRule):
+        raise TypeError(f"guidance is decided by a family's GuidanceRule, not {rule!r}")
+    if rule.kind is GuidanceKind.NONE and guidance_scale != 1.0:
         raise InvalidRequestError("this model family takes no guidance", field=field,
                                   expected=1.0, actual=guidance_scale)
-    return kind is GuidanceKind.CFG and guidance_scale != 1.0
+    return rule.guides(guidance_scale)
+
+
+def applied_guidance_scale(rule: GuidanceRule, guidance_scale: float) -> float:
+    """The scale rows run at, as recorded: 1 where the rule runs the conditional branch alone
+    (v_u + 1 (v_c - v_u) = v_c), else the request's scale. doubles_rows(rule, applied) equals
+    doubles_rows(rule, requested)."""
+    guided = doubles_rows(rule, guidance_scale)
+    return 1.0 if rule.kind is GuidanceKind.CFG and not guided else float(guidance_scale)
 
 
 @dataclass(frozen=True)
@@ -69,15 +80,15 @@ class Guidance:
     uncond: Condition | None = None
 
     @classmethod
-    def of(cls, kind: GuidanceKind, scales: Sequence[float] | torch.Tensor,
+    def of(cls, rule: GuidanceRule, scales: Sequence[float] | torch.Tensor,
            uncond: Condition | None = None) -> "Guidance":
         scale = torch.as_tensor(scales, dtype=torch.float32).reshape(-1)
-        doubled = {doubles_rows(kind, float(s)) for s in scale.tolist()}
+        doubled = {doubles_rows(rule, float(s)) for s in scale.tolist()}
         if len(doubled) > 1:
             raise InvalidRequestError("rows of one forward must all use CFG or all not",
                                       field="guidance_scale", actual=scale.tolist())
         if doubled == {True} and uncond is None:
-            raise InvalidRequestError("guidance_scale != 1 needs the unconditional condition",
+            raise InvalidRequestError("guided rows need the unconditional condition",
                                       field="negative", expected="Condition", actual=None)
         if doubled == {False} and uncond is not None:
             raise InvalidRequestError("an unconditional condition was given but these rows do "
@@ -86,7 +97,7 @@ class Guidance:
         if uncond is not None and uncond.rows != scale.shape[0]:
             raise InvalidRequestError("one unconditional row per row", field="negative",
                                       expected=scale.shape[0], actual=uncond.rows)
-        return cls(kind, scale, uncond)
+        return cls(rule.kind, scale, uncond)
 
     @classmethod
     def none(cls, rows: int) -> "Guidance":

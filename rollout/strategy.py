@@ -7,6 +7,7 @@ lowering, engine call and output building. Request bounds are the graph's Reques
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping
 
 import torch
@@ -86,6 +87,9 @@ class DiffusionStrategy:
     def lower(self, request: RolloutRequest, cond: Condition,
               negative: Condition | None) -> EngineRequest:
         media = self.validate(request)
+        # the scale the rows run at (the family's guidance rule), as the trajectory records it
+        request = dataclasses.replace(request,
+                                      sampling=self.family.sampling_as_run(request.sampling))
         _, latent_names = self.resolve_artifacts(request)
         version = request.policy_version or self._latest_version()
         return EngineRequest(request=request, cond=cond, negative=negative,

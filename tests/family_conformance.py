@@ -11,13 +11,23 @@ engine (the production path):
   - each stage loads only its components (parameter bytes per stage),
   - bad input (sizes the VAE / patch cannot produce, a path that is not a checkpoint, a missing
     subfolder, another pipeline's checkpoint, a dtype the device cannot run) raises typed
-    errors naming the field.
+    errors naming the field,
+  - the declared guidance rule is the pipeline's: at a scale below 1, at 1 and above, the
+    pipeline's own `do_classifier_free_guidance` is the rule's decision, the latents are the
+    pipeline's and the trajectory records the scale the rows ran at,
+  - the declared pipeline classes (adapters/registry.py PIPELINE_CLASSES) hold every diffusers
+    pipeline class that takes this checkpoint's components, and the components saved by each
+    load through `adapter: auto` and the explicit adapter, serving the same tasks.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
+import inspect
 import json
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +35,75 @@ import pytest
 import torch
 
 from adapters.checkpoint import load_component
-from adapters.registry import get_family
+from adapters.registry import PIPELINE_CLASSES, get_family
 from contract import (ConfigError, InvalidRequestError, RequestLimits, RolloutRequest,
                       SamplerKind, SamplingSpec)
 from diffusion.noise import initial_noise
-from diffusion.step import doubles_rows
+from diffusion.step import applied_guidance_scale, doubles_rows
 from rollout.engine import EmbeddedEngine
 from rollout.engine_api import EngineRequest
 
 PROMPTS = ("a red circle on a wooden table", "two blue squares under a green sky")
 NEGATIVE = "blurry, low quality"
+GUIDANCE_PROBES = (0.5, 1.0)      # below 1 and 1; the parity test runs the family's scale > 1
+
+
+@functools.lru_cache(maxsize=1)
+def diffusers_pipeline_classes() -> dict[str, tuple[set, set, dict]]:
+    """Every pipeline class diffusers exports: name -> (its __init__ parameters, the required
+    ones (no default, not an optional component), their annotations)."""
+    import diffusers
+    out = {}
+    for name in dir(diffusers):
+        if not name.endswith("Pipeline"):
+            continue
+        try:
+            cls = getattr(diffusers, name)
+        except Exception:            # noqa: BLE001 - a class whose optional backend is missing
+            continue
+        if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)) or \
+                cls is diffusers.DiffusionPipeline:
+            continue
+        params = dict(inspect.signature(cls.__init__).parameters)
+        params.pop("self", None)
+        try:
+            hints = typing.get_type_hints(cls.__init__)
+        except Exception:            # noqa: BLE001 - an annotation naming a missing backend
+            hints = {k: p.annotation for k, p in params.items()}
+        optional = set(getattr(cls, "_optional_components", ()))
+        required = {k for k, p in params.items()
+                    if p.default is inspect.Parameter.empty and k not in optional}
+        out[name] = (set(params), required, hints)
+    return out
+
+
+def _takes(annotation, component) -> bool:
+    """Whether an __init__ annotation admits this component (an Auto* tokenizer / processor
+    class admits any; no annotation admits anything)."""
+    if annotation is inspect.Parameter.empty:
+        return True
+    if isinstance(annotation, str):
+        return any(c.__name__ in annotation for c in type(component).__mro__)
+    args = typing.get_args(annotation)
+    if args:
+        return any(_takes(a, component) for a in args if a is not type(None))
+    if inspect.isclass(annotation) and \
+            annotation.__module__.startswith("transformers.models.auto"):
+        return True
+    return inspect.isclass(annotation) and isinstance(component, annotation)
+
+
+def pipeline_classes_over(components: dict, config: dict) -> list[str]:
+    """The diffusers pipeline classes that take exactly these components and config entries:
+    every component one of its parameters, of a class the parameter admits, and every
+    required parameter given."""
+    present = {k: v for k, v in components.items() if v is not None}
+    return sorted(name for name, (params, required, hints) in
+                  diffusers_pipeline_classes().items()
+                  if set(present) | set(config) <= params
+                  and required <= set(present) | set(config)
+                  and all(_takes(hints.get(k, inspect.Parameter.empty), v)
+                          for k, v in present.items()))
 
 
 def param_bytes(modules) -> int:
@@ -275,3 +344,78 @@ class FamilyConformance:
         with pytest.raises(ConfigError) as err:
             get_family(self.family, root, {"no_such_option": 1})
         assert err.value.field == "rollout.adapter_options.no_such_option"
+
+    # ---- the guidance rule and the pipeline classes the family declares ----------------------
+    @pytest.fixture(scope="class")
+    def pipe(self, root):
+        return self.pipeline(root)
+
+    @pytest.mark.parametrize("scale", GUIDANCE_PROBES)
+    def test_guidance_rule_is_the_pipelines(self, fam, root, engine, encoders, pipe, scale):
+        """At a scale below 1 and at 1 (the parity test runs one above): the pipeline's own
+        CFG decision is the rule's, the latents are the pipeline's from the same initial
+        latents, and the trajectory records the scale the rows ran at."""
+        from rollout.config import RolloutConfig
+        from rollout.strategy import DiffusionStrategy
+        rule = fam.spec.guidance
+        assert rule.source, "a family names where its guidance rule comes from"
+        case = copy.copy(self)
+        case.guidance_scale = scale
+        sampling = case.sampling(seeds=(0,))
+        negatives = [NEGATIVE] if self.negative else None
+        bundle = fam.conditioner.tokenize([PROMPTS[0]], negatives)[0]
+        request = RolloutRequest(prompt=bundle, sampling=sampling,
+                                 task=next(iter(fam.spec.tasks)), media=self.request_media())
+        guided = doubles_rows(rule, scale)
+        negative = fam.conditioner.encode(encoders, [fam.conditioner.unconditional(bundle)]) \
+            if guided else None
+        strategy = DiffusionStrategy(RolloutConfig(adapter=self.family, weights_path=str(root),
+                                                   adapter_options=self.options),
+                                     fam, engine, RequestLimits())
+        out = asyncio.run(strategy.generate(request, fam.conditioner.encode(encoders, [bundle]),
+                                            negative))
+        assert out.trajectory.guidance_scale == applied_guidance_scale(rule, scale)
+        x0 = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))
+        theirs = case.pipeline_call(pipe, x0.clone(), "latent")
+        pipeline_guided = getattr(pipe, "do_classifier_free_guidance", None)
+        if pipeline_guided is not None:            # (FLUX embeds the scale: no such decision)
+            assert bool(pipeline_guided) is guided, (scale, rule)
+        for name, value in self.latents_of(theirs).items():
+            diff = float((out.artifacts[name].data - value).abs().max())
+            print(f"{self.checkpoint} guidance {scale} {name}: max |ours - pipeline| = "
+                  f"{diff:.3g} (CFG {guided})")
+            assert diff <= 1e-4 and float(value.abs().mean()) > 0.1, (name, diff)
+
+    def test_every_pipeline_class_over_the_components_loads(self, fam, root, pipe, tmp_path):
+        """The components saved by each diffusers pipeline class that takes them (save_pretrained)
+        load through `adapter: auto` and the explicit adapter, serving the same tasks with the
+        same guidance; every such class is declared."""
+        import diffusers
+        components = dict(pipe.components)
+        config = {k: v for k, v in pipe.config.items()
+                  if not k.startswith("_") and k not in components and v not in (None, False)}
+        classes = pipeline_classes_over(components, config)
+        assert type(pipe).__name__ in classes
+        assert set(classes) <= set(PIPELINE_CLASSES[self.family]), \
+            sorted(set(classes) - set(PIPELINE_CLASSES[self.family]))
+        for name in classes:
+            cls = getattr(diffusers, name)
+            params = diffusers_pipeline_classes()[name][0]
+            folder = tmp_path / name
+            cls(**{k: v for k, v in components.items() if k in params}, **config) \
+                .save_pretrained(folder, safe_serialization=True)
+            assert json.loads((folder / "model_index.json").read_text())["_class_name"] == name
+            for adapter in ("auto", self.family):
+                other = get_family(adapter, folder, self.options)
+                assert other.name == fam.name and other.pipeline_class == name
+                assert dict(other.spec.tasks) == dict(fam.spec.tasks), name
+                assert other.spec.guidance == fam.spec.guidance
+                assert other.spec.transformers == fam.spec.transformers
+        foreign = next(c for f, cs in PIPELINE_CLASSES.items() if f != self.family for c in cs)
+        other = tmp_path / "foreign"
+        shutil.copytree(root, other)
+        index = json.loads((root / "model_index.json").read_text())
+        (other / "model_index.json").write_text(json.dumps(index | {"_class_name": foreign}))
+        with pytest.raises(ConfigError) as err:       # another family's class: refused, named
+            get_family(self.family, other, self.options)
+        assert (err.value.field, err.value.actual) == ("weights_path", foreign)

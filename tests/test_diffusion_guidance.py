@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from contract import Condition, ConfigError, GuidanceKind, InvalidRequestError, TimeConvention
-from diffusion.guidance import (STREAM_BOUNDS, VELOCITY_CFG, GuidanceForm, GuidanceSpace,
-                                GuidanceStream, cfg_velocity, cfg_x0)
-from diffusion.step import Guidance, predict_velocity
+from diffusion.guidance import (STREAM_BOUNDS, VELOCITY_CFG, CFGRule, GuidanceForm, GuidanceRule,
+                                GuidanceSpace, GuidanceStream, cfg_velocity, cfg_x0)
+from diffusion.step import Guidance, applied_guidance_scale, doubles_rows, predict_velocity
 
 torch.set_num_threads(1)
 
@@ -104,7 +104,8 @@ def test_the_step_applies_the_denoisers_declared_form():
                                            GuidanceStream("audio", 7.0, 0.7)))
     bounds = torch.tensor([[0, 24, 34]]).expand(3, -1)
     cond = Condition({"h": torch.zeros(3, 2)})
-    guidance = Guidance.of(GuidanceKind.CFG, [3.0] * 3, Condition({"h": torch.ones(3, 2)}))
+    guidance = Guidance.of(GuidanceRule(GuidanceKind.CFG), [3.0] * 3,
+                           Condition({"h": torch.ones(3, 2)}))
     models = {"transformer": torch.nn.Linear(1, 1)}
     got = predict_velocity(_FixedDenoiser(vu, vc, form), models, x, sigma, cond, guidance,
                            {STREAM_BOUNDS: bounds})
@@ -116,3 +117,40 @@ def test_the_step_applies_the_denoisers_declared_form():
         predict_velocity(_FixedDenoiser(vu, vc, form), models, x, sigma, cond, guidance,
                          {STREAM_BOUNDS: torch.tensor([[0, 24, 34], [0, 20, 34], [0, 24, 34]])})
     assert err.value.field == STREAM_BOUNDS
+
+
+@pytest.mark.parametrize("rule,table", [
+    # (scale -> doubled, recorded scale) for each declared rule
+    (GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE),
+     {0.0: (False, 1.0), 0.5: (False, 1.0), 1.0: (False, 1.0), 1.5: (True, 1.5)}),
+    (GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE, (7.0,)),
+     {0.5: (True, 0.5), 1.0: (True, 1.0), 4.0: (True, 4.0)}),
+    (GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE, (0.5,)),
+     {0.5: (False, 1.0), 1.0: (False, 1.0), 4.0: (True, 4.0)}),
+    (GuidanceRule(GuidanceKind.CFG, CFGRule.NOT_ONE),
+     {0.0: (True, 0.0), 0.5: (True, 0.5), 1.0: (False, 1.0), 3.0: (True, 3.0)}),
+    (GuidanceRule(GuidanceKind.EMBEDDED),
+     {0.5: (False, 0.5), 1.0: (False, 1.0), 3.5: (False, 3.5)}),
+    (GuidanceRule(GuidanceKind.NONE), {1.0: (False, 1.0)}),
+])
+def test_the_declared_rule_decides_guidance_and_the_recorded_scale(rule, table):
+    for scale, (doubled, recorded) in table.items():
+        assert doubles_rows(rule, scale) is doubled, scale
+        assert applied_guidance_scale(rule, scale) == recorded, scale
+        assert doubles_rows(rule, recorded) is doubled     # the record decides as the request
+        uncond = Condition({"h": torch.ones(2, 2)}) if doubled else None
+        assert Guidance.of(rule, [scale, scale], uncond).doubled is doubled
+
+
+def test_a_rule_refuses_what_its_family_refuses():
+    for scale in (0.5, 2.0):
+        with pytest.raises(InvalidRequestError) as err:
+            doubles_rows(GuidanceRule(GuidanceKind.NONE), scale)
+        assert (err.value.field, err.value.actual) == ("sampling.guidance_scale", scale)
+    with pytest.raises(TypeError):             # a bare kind decides nothing
+        doubles_rows(GuidanceKind.CFG, 2.0)
+    with pytest.raises(ConfigError):
+        GuidanceRule(GuidanceKind.EMBEDDED, stream_scales=(7.0,))
+    with pytest.raises(InvalidRequestError) as err:     # guided rows without their branch
+        Guidance.of(GuidanceRule(GuidanceKind.CFG), [2.0], None)
+    assert err.value.field == "negative"

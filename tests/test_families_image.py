@@ -97,7 +97,7 @@ class TestFlux(FamilyConformance):
         return scheduler.sigmas.float()
 
     def test_guidance_is_an_input_and_negative_prompts_are_refused(self, fam, engine, encoders):
-        assert fam.spec.guidance.value == "embedded"
+        assert fam.spec.guidance.kind.value == "embedded"
         sampling = self.sampling(seeds=(3,))
         a = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling)["image_latent"]
         b = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling.model_copy(

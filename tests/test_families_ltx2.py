@@ -11,6 +11,8 @@ when configured to; CRF 0 keeps the comparison exact). Layout conversions for th
 its own static methods, so the packed / 5-D / normalised forms are diffusers'."""
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import shutil
 from types import SimpleNamespace
@@ -23,6 +25,7 @@ from contract import (ConfigError, InvalidRequestError, MediaFormatError, MediaI
                       Modality, OutputContractError, RequestLimits, RolloutRequest,
                       SamplingSpec, Task)
 from diffusion.noise import initial_noise
+from diffusion.step import doubles_rows
 from rollout.engine_api import EngineRequest
 from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
                                       check_time_convention_flip)
@@ -250,17 +253,42 @@ class TestLTX2(FamilyConformance):
                 get_family("ltx2", root, OPTIONS | {option: value})
             assert err.value.field == f"rollout.adapter_options.{option}"
         bundle = fam.conditioner.tokenize(["a cat"])[0]
-        unguided = RolloutRequest(prompt=bundle, task=Task.T2VA,
-                                  sampling=self.sampling().model_copy(
-                                      update={"guidance_scale": 1.0}))
-        with pytest.raises(InvalidRequestError) as err:     # the pipeline would guide audio at 7
-            fam.validate_request(unguided, RequestLimits())
-        assert err.value.field == "sampling.guidance_scale"
+        at_one = RolloutRequest(prompt=bundle, task=Task.T2VA,
+                                sampling=self.sampling().model_copy(
+                                    update={"guidance_scale": 1.0}))
+        fam.validate_request(at_one, RequestLimits())
+        # the pipeline guides audio at 7 with the video at 1 (the conformance probe at 1.0)
+        assert doubles_rows(fam.spec.guidance, 1.0) and doubles_rows(fam.spec.guidance, 0.5)
         same = get_family("ltx2", root, OPTIONS | {"audio_guidance_scale": None})
-        same.validate_request(unguided, RequestLimits())     # audio follows the video scale
+        assert not doubles_rows(same.spec.guidance, 1.0)      # audio follows the video scale
+        assert not doubles_rows(same.spec.guidance, 0.5) and doubles_rows(same.spec.guidance, 2)
         streams = fam.denoiser.guidance_form.streams
         assert [(s.name, s.scale, s.rescale) for s in streams] == \
             [("video", None, 0.7), ("audio", 7.0, 0.7)]
+
+    def test_no_cfg_below_one_when_audio_follows_the_video_scale(self, root, encoders, pipe):
+        """audio_guidance_scale null: at 0.5 neither stream guides, in the pipeline (its
+        `do_classifier_free_guidance` false) as here; latents equal, recorded at scale 1."""
+        from rollout.engine import EmbeddedEngine
+        fam = get_family("ltx2", root, OPTIONS | {"audio_guidance_scale": None})
+        case = copy.copy(self)
+        case.guidance_scale = 0.5
+        sampling = case.sampling(seeds=(0,))
+        assert not doubles_rows(fam.spec.guidance, 0.5)
+        assert fam.sampling_as_run(sampling).guidance_scale == 1.0
+        engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
+        try:
+            ours = case.engine_latents(fam, engine, encoders, PROMPTS[0], sampling)
+        finally:
+            asyncio.run(engine.shutdown())
+        x0 = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))
+        theirs = from_pipeline(pipe, case.call(pipe, x0.clone(), "latent",
+                                               audio_guidance_scale=None))
+        assert pipe.do_classifier_free_guidance is False
+        for name, value in theirs.items():
+            diff = float((ours[name] - value).abs().max())
+            print(f"ltx2 audio-follows 0.5 {name}: max |ours - pipeline| = {diff:.3g}")
+            assert diff <= 1e-4 and float(value.abs().mean()) > 0.1, (name, diff)
 
     def test_audio_rate_is_declared_and_checked_on_every_decode(self, fam, root, tmp_path):
         vocoder = json.loads((root / "vocoder" / "config.json").read_text())
