@@ -11,6 +11,7 @@ ingress, by the adapter's tokenizer.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo
@@ -135,6 +136,8 @@ class HTTPRolloutRequest(FrozenModel):
                 raise LimitExceededError("prompt metadata has too many entries",
                                          field=f"metadata[{i}]",
                                          expected=f"<= {MAX_METADATA_KEYS}", actual=len(entry))
+            for key, item in (entry.items() if isinstance(entry, dict) else ()):
+                _check_json_number(item, f"metadata[{i}].{str(key)[:MAX_NAME_CHARS]}")
         return value
 
     @model_validator(mode="after")
@@ -152,6 +155,24 @@ class HTTPRolloutRequest(FrozenModel):
                                       field="seed", expected=f"<= {MAX_SEED - (last - self.seed)}",
                                       actual=self.seed)
         return self
+
+
+INT64 = (-2**63, 2**63 - 1)
+
+
+def _check_json_number(value: Any, field: str) -> None:
+    """A JSON number as every peer reads it: finite (no NaN / Infinity literal, no 1e400 that
+    parses to inf) and, for an integer, within 64 bits (a bigger one is rounded or refused by
+    other parsers). As parsed, before any conversion could hide it."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise InvalidRequestError("integer outside 64 bits", field=field,
+                                  expected="an integer in [-2**63, 2**63)",
+                                  actual=f"{value.bit_length()}-bit integer")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequestError("number is not finite", field=field,
+                                  expected="a finite number", actual=repr(value))
 
 
 def _limits(info: ValidationInfo) -> RequestLimits | None:

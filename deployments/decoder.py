@@ -6,8 +6,9 @@ only the decoded artifacts that were requested, and returns new handles (plus pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -18,6 +19,43 @@ from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.objects import HolderSpec, ObjectKeeper, get_object_holder
 from deployments.previews import av_preview_urls, preview_urls
+from rollout.recorder import check_finite
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors a module returned: itself, a tuple / list of them, or a diffusers output
+    (a mapping such as DecoderOutput)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+@contextlib.contextmanager
+def finite_module_outputs(modules: Mapping[str, torch.nn.Module], request_id: str):
+    """While open, every floating output of each decoder component and of its direct children
+    (a VAE's decoder, post-quant conv; a vocoder) is checked finite: NaN / Inf a decoder makes
+    from a finite latent is a NonFiniteOutputError for this request, before any uint8
+    quantisation could hide it."""
+    def hook(field: str):
+        def check(module, args, output) -> None:
+            for tensor in _tensors(output):
+                if tensor.is_floating_point():
+                    check_finite(tensor, field, request_id)
+        return check
+    handles = []
+    for name, module in modules.items():
+        for child, sub in [("", module), *module.named_children()]:
+            field = f"decoded.{name}" + (f".{child}" if child else "")
+            handles.append(sub.register_forward_hook(hook(field)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class DecoderServer:
@@ -105,13 +143,15 @@ class DecoderServer:
         if sampling is None:
             raise MissingArtifactError("the rollout stage's output carries no sampling spec",
                                        field="sampling", request_id=request_id)
-        with torch.inference_mode():
+        with torch.inference_mode(), finite_module_outputs(self.modules, request_id):
             data = self.family.codec.decode(self.latent_name, self.modules, latent.data,
                                             sampling)      # once, whatever artifacts share it
             for spec in wanted:
                 metadata = {k: v for k, v in (("fps", spec.fps),
                                               ("sample_rate", spec.sample_rate)) if v}
                 artifact = MediaArtifact(spec, data.contiguous(), metadata)
+                if data.is_floating_point():             # decoded audio: the server's fault
+                    check_finite(data, f"artifacts.{spec.name}", request_id)
                 validate_artifact(artifact, request_id)
                 out.append(artifact)
         return out

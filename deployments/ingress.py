@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -25,9 +26,9 @@ import torch
 
 from adapters.registry import get_family
 from contract import (GraphResult, InvalidRequestError, LimitExceededError, Modality,
-                      Representation, RewardReport, RolloutError, RolloutRequest,
-                      ScorerFailedError, ScorerOutput, StageOutput, StageUnavailableError,
-                      UnscorableInputError, check_requested_artifacts)
+                      NonFiniteOutputError, Representation, RewardReport, RolloutError,
+                      RolloutRequest, ScorerFailedError, ScorerOutput, StageOutput,
+                      StageUnavailableError, UnscorableInputError, check_requested_artifacts)
 from deployments.config import GraphConfig
 from deployments.failures import replica_died, replica_failed
 from deployments.http import HTTPFront, stage_error
@@ -370,7 +371,13 @@ class RolloutGraph(HTTPFront):
                 result = policy_failure(name, self.scorer_specs[name].reward, n, reason, result,
                                         request_id=request.request_id)
             outputs[name] = result
-        return self.combiner(outputs, self._primaries)
+        report = self.combiner(outputs, self._primaries)
+        bad = [i for i, total in enumerate(report.total) if not math.isfinite(total)]
+        if bad:     # finite scores whose weighted sum overflows: no reward leaves non-finite
+            raise NonFiniteOutputError("the combined reward is not finite", field="rewards.total",
+                                       expected="finite", actual=f"samples {bad[:8]}",
+                                       request_id=request.request_id)
+        return report
 
     # ---------------------------------------------------------------- HTTP API
 

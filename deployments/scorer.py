@@ -8,13 +8,14 @@ or audio without a sample rate is refused with a typed error by the scorer's med
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
 from ray import serve
 
-from contract import (InvalidRequestError, MediaArtifact, MissingArtifactError, ScorerOutput,
-                      StageOutput, UnscorableInputError)
+from contract import (InvalidRequestError, MediaArtifact, MissingArtifactError,
+                      NonFiniteOutputError, ScorerOutput, StageOutput, UnscorableInputError)
 from deployments.config import ScorerStage
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
@@ -32,6 +33,18 @@ def _concat(requests: Sequence[ScoreRequest]) -> ScoreRequest:
     return ScoreRequest(artifacts=artifacts,
                         prompts=tuple(p for r in requests for p in r.prompts),
                         metadata=tuple(m for r in requests for m in r.metadata))
+
+
+def _finite_or_error(output: ScorerOutput) -> ScorerOutput | NonFiniteOutputError:
+    """One request's scores, or the error that fails that request alone when a score of a
+    scored sample is NaN or Inf (the scorer's fault: never a reward, never the client's 4xx)."""
+    for name, values in output.scores.items():
+        for i, value in enumerate(values):
+            if value is not None and not math.isfinite(value):
+                return NonFiniteOutputError(f"scorer {output.scorer!r} produced a non-finite "
+                                            "score", field=f"scores.{name}[{i}]",
+                                            expected="finite", actual=str(value))
+    return output
 
 
 def _split(output: ScorerOutput, sizes: Sequence[int]) -> list[ScorerOutput]:
@@ -139,7 +152,7 @@ class ScorerServer:
                         except Exception as one:  # noqa: BLE001
                             parts.append(one)
             for i, part in zip(idx, parts):
-                results[i] = part
+                results[i] = part if isinstance(part, Exception) else _finite_or_error(part)
         return results
 
     async def _score_rows(self, request: ScoreRequest) -> ScorerOutput:
