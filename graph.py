@@ -19,8 +19,9 @@ from typing import Any, Sequence
 from ray import serve
 from ray.serve import Application
 
-from adapters.registry import get_family
-from contract import ConfigError, Representation
+from adapters.architectures import Declaration, declare
+from contract import Representation
+from contract.cli import error_line, user_errors
 from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
@@ -45,9 +46,18 @@ def encoder_options(config: GraphConfig) -> dict[str, Any]:
     return into_bundles(opts)          # custom resources / labels onto the ETP group's bundles
 
 
+def declared_family(config: GraphConfig) -> Declaration:
+    """What the config's family declares, from its checkpoint's JSON files on this machine or,
+    where the checkpoint is only on the cluster, from `rollout.architecture`'s description
+    (adapters/architectures): the graph is built and planned without its weights; each stage
+    loads them on its node (a missing path is its ConfigError there)."""
+    return declare(config.adapter, config.weights_path, config.adapter_options,
+                   config.rollout.architecture)
+
+
 def decoded_latents(config: GraphConfig) -> list[str]:
     """Latent kinds with a decoded artifact: one Decoder deployment each."""
-    io_spec = get_family(config.adapter, config.weights_path, config.adapter_options).io_spec
+    io_spec = declared_family(config).spec.io_spec
     return sorted({a.source for a in io_spec.artifacts
                    if a.representation == Representation.DECODED})
 
@@ -172,16 +182,24 @@ def delete_graph(args: dict[str, Any] | str | Path | GraphConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m graph CONFIG.yaml ...`: build each Serve config file as `serve run` would (no
-    cluster needed); a bad one prints its ConfigError naming the field and exits 2, where
-    `serve run` would show it inside Serve's build traceback and retry."""
+    cluster needed, no weights: a checkpoint that is only on the cluster is declared by its
+    `rollout.architecture`, and the output says the path was not checked here); a bad one
+    prints its typed error naming the field on one line and exits 2, where `serve run` would
+    show it inside Serve's build traceback and retry."""
     import sys
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m graph CONFIG.yaml [CONFIG.yaml ...]", file=sys.stderr)
+        return 2
     status = 0
-    for path in sys.argv[1:] if argv is None else argv:
+    for path in paths:
         try:
-            build_app(path)
-            print(f"{path}: ok")
-        except ConfigError as exc:
-            print(f"{path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            config = load_graph_config(path)
+            build_app(config)
+            note = declared_family(config).source.note
+            print(f"{path}: ok" + (f" ({note})" if note else ""))
+        except user_errors() as exc:
+            print(f"{path}: {error_line(exc)}", file=sys.stderr)
             status = 2
     return status
 

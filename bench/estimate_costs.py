@@ -61,6 +61,9 @@ def sd35_medium() -> dict:
             "decoder:image_latent": {"seconds_per_sample": round(seconds(2.5e12, 1, 0.20), 5)},
             # PickScore (CLIP ViT-H/14 at 224^2, ~0.33 TFLOP) on a GPU share
             "scorer:pickscore": {"seconds_per_sample": round(seconds(0.33e12, 1, 0.20), 5)},
+            # CLIPScore (CLIP ViT-L/14: 0.30 B image tower x 257 tokens + 0.12 B text tower x 77,
+            # ~0.18 TFLOP; configs/gpu_example.yaml) on a GPU share
+            "scorer:clipscore": {"seconds_per_sample": round(seconds(0.18e12, 1, 0.20), 5)},
             # OCR (rapidocr PP-OCRv4, CPU) is MEASURED: a 512x512 image with one text line,
             # 2 onnxruntime threads on this 2-core machine (loaded): 1.06 s per sample
             "scorer:ocr": {"seconds_per_sample": 1.06, "threads": 2,

@@ -2,12 +2,14 @@
 
     python -m bench.plan --config configs/cluster_t2va_64gpu.yaml --gpus 64 \\
         --costs bench/costs/av30b_h200.json [--samples-per-step 256] [--learner-gpus 8]
+    python -m bench.plan --config configs/train_sd35_gpu.yaml --gpus 64 --learner-gpus auto
 
 Reads the graph config (which stages exist, the devices one replica of each holds: num_gpus,
-or etp x num_gpus_per_shard + num_gpus for the encoder; num_cpus for a CPU cost file) and a cost
-file: seconds per sample (or per request) of ONE replica of each stage, measured with that
-stage alone (bench/plan_bench.py on this machine, or a GPU run), plus the learner's seconds per
-trained sample per device. Then:
+or etp x num_gpus_per_shard + num_gpus for the encoder; num_cpus for a CPU cost file; a trainer
+config gives its graph and its prompts x samples per step) and a cost file (default: the
+estimate for the config's `rollout.architecture`, bench/costs): seconds per sample (or per
+request) of ONE replica of each stage, measured with that stage alone (bench/plan_bench.py on
+this machine, or a GPU run), plus the learner's seconds per trained sample per device. Then:
 
   stage capacity     replicas x samples/s of one replica
   throughput         min over stages (the bottleneck); with a shared device pool (CPU cores
@@ -29,8 +31,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from contract import ConfigError
+from contract.cli import run_cli
 
 RESULTS = Path(__file__).resolve().parent / "results"
+COSTS = Path(__file__).resolve().parent / "costs"
+# the cost file of a shipped architecture (adapters/architectures), the default for a config
+# that names it; other configs default to this machine's measured tiny stages
+ARCHITECTURE_COSTS = {"sd3.5-medium": COSTS / "sd35_medium_h200.json"}
 
 
 @dataclass
@@ -83,8 +90,13 @@ def load_costs(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError("no measurements: run `python -m bench.plan_bench` (or a GPU run) "
                           "to produce the per-stage costs", field="costs", actual=str(path))
-    costs = json.loads(path.read_text())
-    if not isinstance(costs.get("stages"), dict) or not costs["stages"]:
+    try:
+        costs = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"the cost file is not JSON: {exc.msg} (line {exc.lineno})",
+                          field="costs", actual=str(path)) from None
+    if not isinstance(costs, dict) or not isinstance(costs.get("stages"), dict) \
+            or not costs["stages"]:
         raise ConfigError("the cost file holds no per-stage measurements", field="costs.stages",
                           actual=str(path))
     return costs
@@ -280,15 +292,36 @@ def plot(plan: Plan, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def load_plan_config(path: Path):
+    """(graph config, samples per step or None) of a graph config file or a trainer config file
+    (one with a `graph` key: its graph, prompts_per_step x samples_per_prompt)."""
+    from deployments.config import load_graph_config, read_yaml
+    data = read_yaml(path, field="--config")
+    if isinstance(data, dict) and "graph" in data and "applications" not in data:
+        from trainer.config import load_trainer_config
+        trainer = load_trainer_config(path)
+        return trainer.graph_config(), trainer.prompts_per_step * trainer.samples_per_prompt
+    return load_graph_config(path), None
+
+
+def default_costs(config) -> Path:
+    """The cost file of the config's architecture, else this machine's measured stages."""
+    return ARCHITECTURE_COSTS.get(config.rollout.architecture, RESULTS / "stage_costs.json")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from deployments.config import load_graph_config
+    from graph import declared_family
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--config", required=True, type=Path,
+                        help="a graph config, or a trainer config (its graph and batch)")
     parser.add_argument("--gpus", required=True, type=float,
                         help="devices for the graph and the learner (CPU cores for a CPU cost "
                              "file)")
-    parser.add_argument("--costs", type=Path, default=RESULTS / "stage_costs.json")
-    parser.add_argument("--samples-per-step", type=int, default=64)
+    parser.add_argument("--costs", type=Path, default=None,
+                        help="per-stage costs (default: the config architecture's estimate in "
+                             "bench/costs, else bench/results/stage_costs.json)")
+    parser.add_argument("--samples-per-step", type=int, default=None,
+                        help="default: a trainer config's batch, else 64")
     parser.add_argument("--learner-gpus", default="0",
                         help="devices for the learner, or 'auto': the split (in steps of "
                              "--node-gpus) with the shortest async trainer step")
@@ -299,18 +332,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for plan.json + plan.png (default: print only)")
     args = parser.parse_args(argv)
-    config = load_graph_config(args.config)
-    costs = load_costs(args.costs)
+    config, batch = load_plan_config(args.config)
+    if args.samples_per_step is None:
+        args.samples_per_step = batch or 64
+    if args.samples_per_step < 1:
+        raise ConfigError("samples per step must be positive", field="--samples-per-step",
+                          expected=">= 1", actual=args.samples_per_step)
+    costs = load_costs(args.costs or default_costs(config))
+    note = "" if args.decoders is not None else declared_family(config).source.note
     stages = stage_costs(config, costs, args.decoders)
     if args.learner_gpus == "auto":
         plan = best_split(stages, args.gpus, costs, args.samples_per_step, args.node_gpus)
     else:
-        learner = float(args.learner_gpus)
-        if learner >= args.gpus:
-            raise ConfigError("the learner takes every device", field="learner_gpus",
-                              expected=f"< {args.gpus:g}", actual=learner)
+        try:
+            learner = float(args.learner_gpus)
+        except ValueError:
+            raise ConfigError("learner devices are a number or 'auto'", field="--learner-gpus",
+                              expected="a number or 'auto'", actual=args.learner_gpus) from None
+        if not 0 <= learner < args.gpus:
+            raise ConfigError("the learner takes every device (or fewer than none)",
+                              field="learner_gpus", expected=f"in [0, {args.gpus:g})",
+                              actual=learner)
         plan = make_plan(stages, args.gpus - learner, costs, args.samples_per_step, learner)
     print(format_table(plan))
+    if note:
+        print(f"model: {note}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "plan.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")
@@ -319,4 +365,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli("python -m bench.plan", main))

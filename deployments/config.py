@@ -277,7 +277,14 @@ def load_graph_config(source: dict[str, Any] | str | Path | GraphConfig) -> Grap
     if isinstance(source, GraphConfig):
         return source
     if isinstance(source, (str, Path)):
-        data = _serve_args(read_yaml(source))
+        data = read_yaml(source)
+        if isinstance(data, Mapping) and "graph" in data and "applications" not in data:
+            graph = data["graph"] if isinstance(data["graph"], str) else "inline"
+            raise ConfigError(f"{source} is a trainer config, not a graph config (check it with "
+                              f"`python -m trainer --config {source} --check`); its graph: "
+                              f"{graph}", field="graph", expected="a Serve config file",
+                              actual=str(source))
+        data = _serve_args(data)
     elif isinstance(source, Mapping):
         data = dict(source)
     else:

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.config import GraphConfig, load_graph_config
+from contract import ConfigError
+from contract.cli import run_cli
+from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from deployments.placement import NodeShape, StageDemand, check_placement, pack_first_fit
 
 LABEL_KEY = "omni.role"
@@ -74,7 +76,12 @@ class ClusterSpec(_Model):
 
 
 def load_cluster_spec(path: str | Path) -> ClusterSpec:
-    return ClusterSpec.model_validate(yaml.safe_load(Path(path).read_text()))
+    """The cluster spec YAML, or a ConfigError naming the file or the field."""
+    data = read_yaml(path, field="cluster")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        raise config_error(exc, f"invalid cluster spec {path}") from None
 
 
 # ---- what the graph needs, what the cluster offers ---------------------------------------
@@ -216,8 +223,8 @@ def render_ray_up(spec: ClusterSpec) -> dict[str, Any]:
 
 def render_all(graph_path: Path, cluster_path: Path) -> dict[str, str]:
     """Relative path -> file text, for every manifest."""
-    graph_source = yaml.safe_load(graph_path.read_text())
     config = load_graph_config(graph_path)              # the embedded config must validate
+    graph_source = yaml.safe_load(graph_path.read_text())
     spec = load_cluster_spec(cluster_path)
     check_cluster(config, spec)
     header = GENERATED.format(graph=_repo_relative(graph_path),
@@ -245,21 +252,46 @@ _Dumper.add_representer(str, lambda d, v: d.represent_scalar(
     "tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
 
 
+def graph_file(path: Path) -> Path:
+    """The graph config file to render: `path`, or the graph file a trainer config names
+    (resolved as the trainer resolves it: as given, else from the repository root)."""
+    data = read_yaml(path, field="--graph")
+    if not (isinstance(data, dict) and "graph" in data and "applications" not in data):
+        return path
+    graph = data["graph"]
+    if not isinstance(graph, str):
+        raise ConfigError("this trainer config's graph is inline: render a Serve config file",
+                          field="graph", expected="a Serve config path",
+                          actual=type(graph).__name__)
+    resolved = Path(graph)
+    if not resolved.is_absolute() and not resolved.exists():
+        resolved = Path(__file__).resolve().parents[1] / resolved
+    print(f"{path} is a trainer config: rendering its graph {graph}")
+    return resolved
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--graph", type=Path, default=Path("configs/cluster_t2va_64gpu.yaml"))
+    parser.add_argument("--graph", type=Path, default=Path("configs/cluster_t2va_64gpu.yaml"),
+                        help="a graph (Serve) config, or a trainer config: its graph")
     parser.add_argument("--cluster", type=Path, default=Path("deploy/cluster_t2va_64gpu.yaml"))
     parser.add_argument("--out", type=Path, default=Path("deploy"))
     args = parser.parse_args(argv)
+    args.graph = graph_file(args.graph)
     for rel, text in render_all(args.graph, args.cluster).items():
         path = args.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
-    placed = check_cluster(load_graph_config(args.graph), load_cluster_spec(args.cluster))
+    config = load_graph_config(args.graph)
+    placed = check_cluster(config, load_cluster_spec(args.cluster))
     print(json.dumps({node: len(stages) for node, stages in placed.items()}))
+    from graph import declared_family
+    note = declared_family(config).source.note
+    if note:
+        print(f"model: {note}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli("python -m deployments.manifests", main))

@@ -74,6 +74,11 @@ class RolloutConfig(_Config):
                                      "weights an embedded family ships.")
     adapter_options: dict[str, Any] = Field(default_factory=dict, description="The family's "
                                             "own settings (e.g. sd3: max_sequence_length).")
+    architecture: str | None = Field(None, description="A shipped architecture description "
+                                     "(adapters/architectures, e.g. sd3.5-medium) the family's "
+                                     "declarations are read from where weights_path is not on "
+                                     "this machine (config check, planner, manifests); the "
+                                     "stages always load weights_path.")
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: str = Field("float32", description="Weights dtype of the transformer(s) (float32, "
                        "bfloat16, float16); sampler math and trajectories stay fp32.")

@@ -346,5 +346,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from contract.cli import run_cli
     import sys
-    run(sys.argv[1:])
+    raise SystemExit(run_cli("python -m scripts.pretrain_t2i", run, sys.argv[1:]))

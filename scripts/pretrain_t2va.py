@@ -231,4 +231,5 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from contract.cli import run_cli
+    raise SystemExit(run_cli("python -m scripts.pretrain_t2va", main))

@@ -157,4 +157,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from contract.cli import run_cli
+    raise SystemExit(run_cli("python -m scripts.tiny_checkpoints", main))

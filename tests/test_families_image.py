@@ -2,12 +2,15 @@
 (tests/family_conformance.py), plus what is particular to each family."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from adapters.family import Overflow
-from contract import (InvalidRequestError, LimitExceededError, RequestLimits, RolloutRequest,
+from contract import (ConfigError, InvalidRequestError, LimitExceededError, RequestLimits, RolloutRequest,
                       SamplingSpec, Task)
 from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
                                       check_time_convention_flip)
@@ -108,6 +111,25 @@ class TestFlux(FamilyConformance):
         with pytest.raises(InvalidRequestError) as err:
             fam.validate_request(request, RequestLimits())
         assert err.value.field == "prompt.negative"
+
+    def test_a_transformer_with_condition_channels_is_refused(self, root, tmp_path):
+        """FluxFillPipeline / FluxControlPipeline folders are accepted by class; a Fill
+        transformer (384 input channels: latents + masked image + mask) is refused by its
+        components, naming them."""
+        from adapters.registry import get_family
+        folder = tmp_path / "fill"
+        shutil.copytree(root, folder)
+        path = folder / "transformer" / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) |
+                                   {"in_channels": 384, "out_channels": 64}))
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps(index |
+                                                            {"_class_name": "FluxFillPipeline"}))
+        for adapter in ("auto", "flux"):
+            with pytest.raises(ConfigError) as err:
+                get_family(adapter, folder, self.options)
+            assert (err.value.field, err.value.expected, err.value.actual) == \
+                ("weights_path.transformer.in_channels", 64, 384)
 
     def test_dynamic_shift_depends_on_the_resolution(self, fam):
         small = fam.sigmas(SamplingSpec(seeds=(0,), num_steps=4, height=64, width=64))

@@ -115,6 +115,23 @@ class TestWan21(WanConformance):
         assert float((ours - theirs.detach()).abs().max()) <= 1e-5
         assert bool((ours[0, n:] == 0).all())
 
+    def test_the_task_is_the_transformers_not_the_class_name(self, root, tmp_path):
+        """A folder of T2V components named WanImageToVideoPipeline serves T2V (the
+        conformance save / load); a transformer taking neither T2V's nor I2V's channels
+        (LucyEdit's 2 z: latents + a condition video) is refused, naming them."""
+        folder = tmp_path / "lucy"
+        shutil.copytree(root, folder)
+        path = folder / "transformer" / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"in_channels": 32}))
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps(index |
+                                                            {"_class_name": "LucyEditPipeline"}))
+        for adapter in ("auto", "wan"):
+            with pytest.raises(ConfigError) as err:
+                get_family(adapter, folder, self.options)
+            assert (err.value.field, err.value.expected, err.value.actual) == \
+                ("weights_path.transformer.in_channels", [16, 36], 32)
+
     def test_concurrent_decodes_equal_one_at_a_time(self, fam):
         """AutoencoderKLWan keeps its causal feature cache on the module: a decoder replica
         decoding requests in threads got wrong frames (and 2 or 8 of 5) before the lock."""

@@ -1,18 +1,19 @@
 """`python -m trainer --config configs/train_tiny_t2i.yaml [--set steps=20 ...]`
 
 Connects to a running Ray cluster with the rollout graph deployed (`serve run <graph yaml>`), or
-with `--deploy` starts a local cluster and deploys the trainer config's graph first.
+with `--deploy` starts a local cluster and deploys the trainer config's graph first; `--check`
+checks the config, its graph and the family's declarations without a cluster or the weights.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Sequence
 
 import yaml
 
 from contract import ConfigError
+from contract.cli import run_cli
 from trainer.config import load_trainer_config
 
 
@@ -35,13 +36,22 @@ def parse_overrides(items: Sequence[str]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """A bad config, override or prompt file ends the run with its typed error on stderr
-    (exit status 2), not a traceback."""
-    try:
-        _main(argv)
-    except ConfigError as exc:           # DatasetError included
-        print(f"python -m trainer: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """A bad config, override or prompt file (or any other typed error, a missing file, bad
+    YAML) ends the run with one line on stderr naming the field (exit status 2), not a
+    traceback."""
+    status = run_cli("python -m trainer", _main, argv)
+    if status:
+        raise SystemExit(status)
+
+
+def check(cfg) -> str:
+    """The config check without a cluster or the weights: the trainer config, its graph and
+    what the graph's family declares (from the checkpoint's JSON files here, or from
+    `rollout.architecture` where the checkpoint is only on the cluster)."""
+    from graph import declared_family
+    graph = cfg.graph_config()
+    note = declared_family(graph).source.note
+    return "ok" + (f" ({note})" if note else "")
 
 
 def _main(argv: Sequence[str] | None) -> None:
@@ -51,8 +61,14 @@ def _main(argv: Sequence[str] | None) -> None:
                         help="override a config field (dotted), e.g. pipeline.mode=serial")
     parser.add_argument("--deploy", action="store_true",
                         help="start a local Ray cluster and deploy the graph first")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, its graph and the family's declarations, then "
+                             "exit (no cluster, no weights)")
     args = parser.parse_args(argv)
     cfg = load_trainer_config(args.config, parse_overrides(args.set))
+    if args.check:
+        print(f"{args.config}: {check(cfg)}")
+        return
     cfg.graph_config()                      # a bad graph file fails here, before Ray starts
     from trainer.demo import local_cluster
     from trainer.loop import Trainer
