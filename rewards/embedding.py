@@ -40,18 +40,19 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def pixels_to_model(images: torch.Tensor, size: int, mean: Sequence[float],
                     std: Sequence[float]) -> torch.Tensor:
-    """Resize-shortest-side + centre-crop + normalise, as CLIP's eval transform does.
+    """Resize-shortest-side + centre-crop + normalise, as CLIP's eval transform does
+    (torchvision's Resize(size) and CenterCrop(size) geometry: the longer side truncated to
+    int(size * long / short), the crop offset round((side - size) / 2)).
 
     images: (N, 3, H, W) uint8 -> (N, 3, size, size) float32.
     """
     x = images.float() / 255.0
     h, w = x.shape[-2:]
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+    nh, nw = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
     if (nh, nw) != (h, w):
         x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False,
                           antialias=True).clamp_(0.0, 1.0)
-    top, left = (nh - size) // 2, (nw - size) // 2
+    top, left = round((nh - size) / 2.0), round((nw - size) / 2.0)
     x = x[..., top:top + size, left:left + size]
     m = torch.tensor(mean, dtype=x.dtype).view(1, 3, 1, 1)
     s = torch.tensor(std, dtype=x.dtype).view(1, 3, 1, 1)
