@@ -28,6 +28,40 @@ def _images(seed=0, batch=3, h=40, w=56):
                                                         dtype=torch.uint8))}
 
 
+# What the reference repositories' own code does, written here (not the scorers' code):
+# OpenAI CLIP's normalisation, used by HPSv2's open_clip fork (OPENAI_DATASET_MEAN / STD) and by
+# ImageReward's `_transform`; both resize the PIL image's shorter side with bicubic, centre-crop,
+# ToTensor, Normalize.
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_REWARD_MEAN, IMAGE_REWARD_STD = 0.16717362830052426, 1.0333394966054072   # ImageReward.py
+IMAGE_REWARD_MAX_TOKENS = 35                     # ImageReward.score: padding / truncation length
+
+
+def _smooth_images(seed=0, batch=3, h=40, w=56):
+    """Sums of a vertical and a horizontal sinusoid per channel, in [47, 208]: images whose
+    resize is not dominated by PIL's uint8 rounding and clipping between its two passes."""
+    g = torch.Generator().manual_seed(seed)
+    y, x = torch.linspace(0, 1, h).view(h, 1), torch.linspace(0, 1, w).view(1, w)
+    freq = torch.rand(batch, 3, 2, 1, 1, generator=g) * 3 + 0.5
+    phase = torch.rand(batch, 3, 2, 1, 1, generator=g) * 2 * math.pi
+    wave = torch.sin(2 * math.pi * freq[:, :, 0] * y + phase[:, :, 0]) + \
+        torch.sin(2 * math.pi * freq[:, :, 1] * x + phase[:, :, 1])
+    return {"image": MediaArtifact(IMAGE, (127.5 + 40 * wave).round().to(torch.uint8))}
+
+
+def _published_transform(images: torch.Tensor, n_px: int) -> torch.Tensor:
+    """(N, 3, H, W) uint8 -> the reference repositories' eval transform on PIL images."""
+    from PIL import Image
+    from torchvision.transforms import (CenterCrop, Compose, InterpolationMode, Normalize,
+                                        Resize, ToTensor)
+    transform = Compose([Resize(n_px, interpolation=InterpolationMode.BICUBIC), CenterCrop(n_px),
+                         lambda im: im.convert("RGB"), ToTensor(),
+                         Normalize(OPENAI_MEAN, OPENAI_STD)])
+    return torch.stack([transform(Image.fromarray(im.permute(1, 2, 0).numpy()))
+                        for im in images])
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     from rewards import preference_snapshots as ps
@@ -131,20 +165,31 @@ def test_aesthetic_formula(scorers, checkpoints):
     assert got.std() > 0
 
 
-def test_hps_formula(scorers, checkpoints):
-    """Against open_clip's forward (output_dict): diag(image_features @ text_features.T)."""
+# PIL's bicubic resize rounds to uint8 after each of its two passes and the scorers resize the
+# float tensor: a resized image agrees to this much in the score (rounding alone moves these tiny
+# models' scores by under half of it, a crop one pixel off by more than twice), one already at
+# the model's size exactly
+RESIZE_ATOL = {"hpsv2": 1e-3, "image_reward": 1e-4}
+
+
+@pytest.mark.parametrize("size", [(64, 64), (40, 56)])
+def test_hps_formula(scorers, checkpoints, size):
+    """As HPSv2's img_score: open_clip's forward (output_dict) on its eval transform,
+    diag(image_features @ text_features.T)."""
     import open_clip
-    from rewards.embedding import CLIP_MEAN, CLIP_STD, pixels_to_model
     model = open_clip.CLIP(**TINY_CLIP, output_dict=True).eval()
     model.load_state_dict(torch.load(checkpoints["hps"], weights_only=True)["state_dict"])
-    arts = _images()
+    arts = _images(h=size[0], w=size[1]) if size == (64, 64) else _smooth_images(h=size[0],
+                                                                                 w=size[1])
     tok = open_clip.SimpleTokenizer(context_length=TINY_CLIP["text_cfg"]["context_length"])
     with torch.no_grad():
-        out = model(pixels_to_model(arts["image"].data, 64, CLIP_MEAN, CLIP_STD),
+        out = model(_published_transform(arts["image"].data,
+                                         TINY_CLIP["vision_cfg"]["image_size"]),
                     tok(list(PROMPTS)))
     want = (out["image_features"] @ out["text_features"].T).diagonal()
     got = torch.tensor(scorers["hpsv2"].score(ScoreRequest(arts, PROMPTS)).scores["hps"])
-    assert torch.allclose(got, want, atol=1e-5)
+    atol = 1e-5 if size == (64, 64) else RESIZE_ATOL["hpsv2"]
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
 
 
 def _blip_vit_reference(sd, x, heads):
@@ -169,28 +214,68 @@ def _blip_vit_reference(sd, x, heads):
     return ln(h, "norm")
 
 
-def test_image_reward_formula(scorers, checkpoints):
-    from rewards.embedding import CLIP_MEAN, CLIP_STD, pixels_to_model
-    from rewards.image_reward import REWARD_MEAN, REWARD_STD
+def _med_bert_reference(sd, ids, mask, image_embeds, med):
+    """BLIP's med.py BertModel in "multimodal" mode written out from the checkpoint tensors:
+    word + position embeddings, post-norm layers of self-attention (padding masked with -1e4),
+    cross-attention to the image, exact-GELU MLP."""
+    p = "blip.text_encoder."
+    heads, eps = med["num_attention_heads"], med["layer_norm_eps"]
+    ln = lambda t, k: F.layer_norm(t, t.shape[-1:], sd[p + k + ".weight"],  # noqa: E731
+                                   sd[p + k + ".bias"], eps)
+    lin = lambda t, k: t @ sd[p + k + ".weight"].T + sd[p + k + ".bias"]  # noqa: E731
+
+    def attend(h, ctx, k, bias):
+        B, N, C = h.shape
+        split = lambda t: t.view(B, -1, heads, C // heads).transpose(1, 2)  # noqa: E731
+        q, key, v = split(lin(h, k + ".self.query")), split(lin(ctx, k + ".self.key")), \
+            split(lin(ctx, k + ".self.value"))
+        a = ((q @ key.transpose(-1, -2)) / math.sqrt(C // heads) + bias).softmax(-1) @ v
+        return ln(h + lin(a.transpose(1, 2).reshape(B, N, C), k + ".output.dense"),
+                  k + ".output.LayerNorm")
+
+    h = sd[p + "embeddings.word_embeddings.weight"][ids] + \
+        sd[p + "embeddings.position_embeddings.weight"][:ids.shape[1]]
+    h = ln(h, "embeddings.LayerNorm")
+    pad = ((1.0 - mask[:, None, None, :].float()) * -10000.0)
+    for i in range(med["num_hidden_layers"]):
+        b = f"encoder.layer.{i}."
+        h = attend(h, h, b + "attention", pad)
+        h = attend(h, image_embeds, b + "crossattention", 0.0)
+        h = ln(h + lin(F.gelu(lin(h, b + "intermediate.dense")), b + "output.dense"),
+               b + "output.LayerNorm")
+    return h
+
+
+@pytest.mark.parametrize("size", [(32, 32), (40, 56)])
+def test_image_reward_formula(scorers, checkpoints, size):
+    """As ImageReward.score: its `_transform`, BLIP's tokenizer (bert-base-uncased + [DEC] +
+    [ENC]) padded / truncated at 35, ViT -> BERT cross-attending -> [CLS] -> MLP, then
+    (r - mean) / std with the reference's constants; every piece written in this file."""
+    import json
+
+    from transformers import BertTokenizer
     scorer = scorers["image_reward"]
     params = checkpoints["image_reward"]
     sd = torch.load(params["checkpoint"], weights_only=True)
-    arts = _images()
-    x = pixels_to_model(arts["image"].data, params["vision"]["image_size"], CLIP_MEAN, CLIP_STD)
+    med = json.loads(open(params["med_config"]).read())
+    tokenizer = BertTokenizer.from_pretrained(params["tokenizer_dir"], local_files_only=True)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
+    arts = _images(h=size[0], w=size[1]) if size == (32, 32) else _smooth_images(h=size[0],
+                                                                                 w=size[1])
+    x = _published_transform(arts["image"].data, params["vision"]["image_size"])
     with torch.no_grad():
         image_embeds = _blip_vit_reference(sd, x, params["vision"]["num_attention_heads"])
-        assert torch.allclose(scorer._vision(pixel_values=x).last_hidden_state, image_embeds,
-                              atol=1e-5)       # BLIP key renaming is right
-        tok = scorer._tokenizer(list(PROMPTS), padding="max_length", truncation=True,
-                                max_length=35, return_tensors="pt")
+        tok = tokenizer(list(PROMPTS), padding="max_length", truncation=True,
+                        max_length=IMAGE_REWARD_MAX_TOKENS, return_tensors="pt")
         assert tok["input_ids"].shape == (3, 35) and bool((tok["input_ids"][:, 0] == 2).all())
-        cls = scorer._text(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
-                           encoder_hidden_states=image_embeds, is_decoder=False
-                           ).last_hidden_state[:, 0]
+        cls = _med_bert_reference(sd, tok["input_ids"], tok["attention_mask"], image_embeds,
+                                  med)[:, 0]
     W, b = _affine(sd, "mlp.")
-    want = ((cls @ W.T + b).squeeze(-1) - REWARD_MEAN) / REWARD_STD
+    want = ((cls @ W.T + b).squeeze(-1) - IMAGE_REWARD_MEAN) / IMAGE_REWARD_STD
     got = torch.tensor(scorer.score(ScoreRequest(arts, PROMPTS)).scores["image_reward"])
-    assert torch.allclose(got, want, atol=1e-5)
+    atol = 1e-5 if size == (32, 32) else RESIZE_ATOL["image_reward"]
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
     # the text encoder attends bidirectionally: a later token changes the [CLS] state
     a = scorer.score(ScoreRequest(_images(batch=1), ("a red cat",))).scores["image_reward"][0]
     b2 = scorer.score(ScoreRequest(_images(batch=1), ("a red dog",))).scores["image_reward"][0]
