@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Sequence
 
 from pydantic import ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo
 from pydantic import field_validator, model_validator
 
 from contract.enums import SamplerKind, Task
-from contract.errors import InvalidRequestError, LimitExceededError, MalformedBodyError
+from contract.errors import (FieldValidationError, InvalidRequestError, LimitExceededError,
+                             MalformedBodyError)
 from contract.request import MAX_SEED, FrozenModel, RequestLimits
 
 MAX_NAME_CHARS = 128      # an artifact name or a policy version
@@ -65,6 +66,17 @@ class HTTPRolloutRequest(FrozenModel):
     metadata: tuple[PromptMetadata, ...] | None = Field(
         None, description="One flat object per prompt, passed to the scorers with it (e.g. "
                           "{\"ocr_text\": \"OPEN\"}); scalar values only, bounded in size.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_key_count(cls, value: Any) -> Any:
+        """More keys than the model has fields is a mistake however they are named: refused
+        before pydantic builds one error per unknown key (a 50k-key body costs seconds)."""
+        if isinstance(value, dict) and len(value) > len(cls.model_fields):
+            raise LimitExceededError("body has more keys than the request has fields",
+                                     field="body", expected=f"<= {len(cls.model_fields)} keys",
+                                     actual=len(value))
+        return value
 
     # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
     @field_validator("prompts", "negative_prompts", "artifacts", "metadata", mode="before")
@@ -182,9 +194,9 @@ def _limits(info: ValidationInfo) -> RequestLimits | None:
 def parse_rollout_body(body: bytes | bytearray, limits: RequestLimits) -> HTTPRolloutRequest:
     """Bytes of a POST /rollout body -> HTTPRolloutRequest, or a typed error (4xx).
 
-    Pydantic's ValidationError (a wrong type or value of a field) is raised as is; the ingress
-    answers it with 422 naming the field. Everything about the body as a whole is a
-    MalformedBodyError (400) or, for its size, a LimitExceededError (413).
+    A wrong type or value of a field is a FieldValidationError (422) naming it, from pydantic's
+    first error (its list built once). Everything about the body as a whole is a
+    MalformedBodyError (400) or, for its size or key count, a LimitExceededError (413).
     """
     if len(body) > limits.max_body_bytes:
         raise LimitExceededError("request body too large", field="body",
@@ -199,7 +211,7 @@ def parse_rollout_body(body: bytes | bytearray, limits: RequestLimits) -> HTTPRo
     try:
         payload = HTTPRolloutRequest.model_validate_json(body, context={"limits": limits})
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
+        first = first_error(exc)
         if first["type"] == "json_invalid":
             raise MalformedBodyError(f"body is not valid JSON: {first['msg']}", field="body",
                                      expected=f"UTF-8 JSON nested at most {JSON_DEPTH_LIMIT} "
@@ -207,9 +219,21 @@ def parse_rollout_body(body: bytes | bytearray, limits: RequestLimits) -> HTTPRo
         if first["type"] == "model_type":
             raise MalformedBodyError("body must be one JSON object", field="body",
                                      expected="object") from None
-        raise
+        raise FieldValidationError(first["msg"], field=error_field(first["loc"])) from None
     _reject_duplicate_keys(body)
     return payload
+
+
+def first_error(exc: ValidationError) -> dict[str, Any]:
+    """Pydantic's first error, its list built once and without copies of the input (the key and
+    item caps above bound how long that list can be)."""
+    return exc.errors(include_url=False, include_context=False, include_input=False)[0]
+
+
+def error_field(loc: Sequence[Any]) -> str:
+    """('prompts', 0) -> 'prompts[0]'."""
+    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
+                   for i, p in enumerate(loc))
 
 
 def _reject_duplicate_keys(body: bytes | bytearray) -> None:

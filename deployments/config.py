@@ -205,6 +205,18 @@ class HttpOptions(Model):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_preview_pixels: int = Field(64 * 64 * 16, description="Largest media returned as base64.")
+    allowed_hosts: tuple[str, ...] = Field(
+        ("127.0.0.1", "localhost", "::1"), min_length=1,
+        description="Host header names answered (port aside); any other is a 421, so a web page "
+                    "whose DNS name is rebound to this address cannot read the answers.")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _lower_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            if not host or host != host.strip() or "/" in host or host.startswith("["):
+                raise ValueError(f"a host name or address without port or brackets, got {host!r}")
+        return tuple(h.lower().rstrip(".") for h in hosts)
 
 
 class ObjectsOptions(Model):

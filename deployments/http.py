@@ -8,7 +8,9 @@ asked) base64 previews, or a typed error object with the status its type maps to
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 from typing import Any, Sequence
 
@@ -19,7 +21,9 @@ from starlette.responses import JSONResponse
 
 from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
                       RolloutError, RolloutRequest, SamplingSpec)
-from contract.http import HTTPRolloutRequest, parse_rollout_body
+from contract.errors import (MethodNotAllowedError, MisdirectedRequestError, NotFoundError,
+                             UnsupportedMediaTypeError)
+from contract.http import HTTPRolloutRequest, error_field, first_error, parse_rollout_body
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,23 +45,25 @@ class HTTPFront:
         return response
 
     async def _http(self, http: Request) -> JSONResponse:
-        path = http.url.path.rstrip("/").rsplit("/", 1)[-1]
-        if http.method == "GET" and path == "healthz":
-            return JSONResponse({"status": "ok", "adapter": self.config.adapter})
-        if http.method != "POST" or path != "rollout":
-            return _error(404, "NotFound", "path", f"{http.method} {http.url.path} is not served")
         try:
-            payload = parse_rollout_body(await self._read_body(http), self.config.limits)
-            requests = self._from_http(payload)
+            route = _route(http, self.config.http.allowed_hosts)
+            if route == "healthz":
+                return JSONResponse({"status": "ok", "adapter": self.config.adapter})
+            _check_json_body(http)
+            body = await self._read_body(http)
+            # parsing, tokenizing and rendering grow with the body: off the event loop that
+            # every other request of this replica waits on
+            payload = await asyncio.to_thread(parse_rollout_body, body, self.config.limits)
+            del body
+            requests = await asyncio.to_thread(self._from_http, payload)
             results = await self.rollout(requests, preview=payload.include_media)
             try:
-                return JSONResponse({"results": [_result_json(p, r) for p, r in
-                                                 zip(payload.prompts, results)]})
+                return await asyncio.to_thread(_results_response, payload.prompts, results)
             finally:                 # no tensor leaves by HTTP, answered or not
                 await self.release([r.request_id for r in results])
         except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            return _error(422, "ValidationError", _loc(first["loc"]), first["msg"])
+            first = first_error(exc)
+            return _error(422, "ValidationError", error_field(first["loc"]), first["msg"])
         except RolloutError as exc:
             error = stage_error(exc)
             return JSONResponse(error.to_dict(), status_code=error.http_status)
@@ -121,10 +127,55 @@ def stage_error(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
-def _loc(loc: Sequence[Any]) -> str:
-    """('prompts', 0) -> 'prompts[0]'."""
-    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + str(p)
-                   for i, p in enumerate(loc))
+ROUTES = {"/rollout": "POST", "/healthz": "GET"}
+
+
+_HOST = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?")
+
+
+def request_host(http: Request) -> str | None:
+    """The Host header's name, lower case, without port or brackets; None when it is absent or
+    not one host[:port]."""
+    match = _HOST.fullmatch(http.headers.get("host", "").lower())
+    if match is None:
+        return None
+    return match["ip6"] or match["name"].rstrip(".")
+
+
+def _route(http: Request, allowed_hosts: Sequence[str]) -> str:
+    """'rollout' or 'healthz', for a request to an allowed Host at exactly that path (relative
+    to the app's route prefix) with its method; otherwise a typed 421 / 404 / 405."""
+    host = request_host(http)
+    if host not in allowed_hosts:
+        raise MisdirectedRequestError("this service does not answer that Host",
+                                      field="host", expected=list(allowed_hosts),
+                                      actual=(http.headers.get("host") or "")[:100])
+    path, root = http.scope.get("path", ""), http.scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    if path not in ROUTES:
+        raise NotFoundError(f"{path[:100]!r} is not served", field="path",
+                            expected=sorted(ROUTES), actual=path[:100])
+    if http.method != ROUTES[path]:
+        raise MethodNotAllowedError(f"{path} takes {ROUTES[path]}", field="method",
+                                    expected=ROUTES[path], actual=http.method[:16])
+    return path[1:]
+
+
+def _check_json_body(http: Request) -> None:
+    """Only `application/json` (charset utf-8 if named): a form or text/plain POST, which any
+    web page can make a browser send without a CORS preflight, is refused before it is read."""
+    declared = http.headers.get("content-type", "")
+    media_type, _, params = declared.partition(";")
+    charset = [p.strip().lower() for p in params.split(";") if p.strip()]
+    if media_type.strip().lower() != "application/json" or \
+            any(p not in ("charset=utf-8", 'charset="utf-8"') for p in charset):
+        raise UnsupportedMediaTypeError("the body must be JSON", field="content-type",
+                                        expected="application/json", actual=declared[:100])
+
+
+def _results_response(prompts: Sequence[str], results: Sequence[GraphResult]) -> JSONResponse:
+    return JSONResponse({"results": [_result_json(p, r) for p, r in zip(prompts, results)]})
 
 
 def _error(status: int, kind: str, field: str | None, message: str) -> JSONResponse:

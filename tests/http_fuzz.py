@@ -1,9 +1,13 @@
 """Hypothesis strategies for POST /rollout bodies: random JSON values and types, sizes, nesting,
 unicode, numbers at int64 / float edges, NaN / Infinity, duplicated keys, bytes that are not
-UTF-8, and one-field mutations of a valid body (so some cases run a real rollout)."""
+UTF-8, and one-field mutations of a valid body (so some cases run a real rollout); and whole
+HTTP requests (`REQUESTS`): content types, Host headers, paths and methods a browser or a
+rebound DNS name produces, number edges written as raw JSON text (1e400, 2**64, 1e-300) and
+key floods, each labelled with whether its method, path, Host and content type are served."""
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from hypothesis import strategies as st
 
@@ -87,3 +91,72 @@ BODIES = st.one_of(
     st.binary(max_size=200),                              # not UTF-8 / not JSON at all
     st.binary(max_size=40).map(lambda b: _dumps(VALID_BODY)[:-1] + b),   # truncated / garbled
 )
+
+
+# --- whole HTTP requests --------------------------------------------------------------------
+class HTTPCase(NamedTuple):
+    method: str
+    path: str                              # relative to the app's route prefix
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    served: bool                           # method, path, Host and content type all answered
+
+
+GOOD_HOSTS = ["127.0.0.1:8000", "localhost:8000", "[::1]:8000", "127.0.0.1", "LocalHost"]
+BAD_HOSTS = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example",
+             "10.0.0.1:8000", "0.0.0.0:8000", "[::ffff:127.0.0.1]:8000", "", "127.0.0.1:8000, x"]
+GOOD_TYPES = ["application/json", "application/json; charset=utf-8"]
+BAD_TYPES = ["text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+             "multipart/form-data; boundary=----x", "application/xml", "application/json5",
+             "application/json; charset=utf-16", "*/*", ""]
+BAD_PATHS = ["/anything/rollout", "/rollout/", "/rollout/x", "/rollouts", "//rollout",
+             "/api/v1/rollout", "/healthz/../rollout", "/%72ollout", "/", "/ROLLOUT"]
+
+# numbers as a client can write them, not as Python would: overflow, underflow, past 64 bits
+NUMBER_TEXTS = ["0", "-0", "0.0", "1", "1.0", "2", "1e2", "1E1", "0.7", "2.0000001", "-1",
+                "1e-300", "1e-40", "5e-324", "1e-400", "1e400", "-1e400", "1e308", "NaN",
+                "Infinity", "-Infinity", "9223372036854775807", "9223372036854775808",
+                "18446744073709551615", "18446744073709551616", "-9223372036854775809",
+                "1" + "0" * 400]
+NUMBER_FIELDS = ["noise_level", "guidance_scale", "seed", "num_steps", "samples_per_prompt",
+                 "height", "width", "num_frames", "metadata"]
+
+
+def key_flood(where: str, keys: int) -> bytes:
+    """A body of `keys` unknown keys: at the top, in one prompt's metadata, or in one field."""
+    flood = {f"k{i}": 0 for i in range(keys)}
+    body = {"top": VALID_BODY | flood, "metadata": VALID_BODY | {"metadata": [flood]},
+            "nested": VALID_BODY | {"sde_window": flood}}[where]
+    return json.dumps(body).encode()
+
+
+@st.composite
+def _number_edge(draw) -> bytes:
+    field, text = draw(st.sampled_from(NUMBER_FIELDS)), draw(st.sampled_from(NUMBER_TEXTS))
+    value = f'[{{"score_hint": {text}}}]' if field == "metadata" else text
+    return _dumps(VALID_BODY)[:-1] + f', "{field}": {value}}}'.encode()
+
+
+@st.composite
+def _key_flood(draw) -> bytes:
+    return key_flood(draw(st.sampled_from(["top", "metadata", "nested"])),
+                     draw(st.sampled_from([20, 64, 1000, 50_000])))
+
+
+@st.composite
+def _http_request(draw) -> HTTPCase:
+    """Mostly one thing wrong at a time, so each class is reached often."""
+    wrong = draw(st.sampled_from(["none", "none", "host", "type", "path", "method"]))
+    host = draw(st.sampled_from(BAD_HOSTS if wrong == "host" else GOOD_HOSTS))
+    ctype = draw(st.sampled_from(BAD_TYPES if wrong == "type" else GOOD_TYPES))
+    path = draw(st.sampled_from(BAD_PATHS)) if wrong == "path" else "/rollout"
+    method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])) if wrong == "method" \
+        else "POST"
+    body = draw(st.one_of(st.just(_dumps(VALID_BODY)), _number_edge(), _key_flood(), _mutated()))
+    headers = [("host", host)] if host else []
+    headers += [("content-type", ctype)] if ctype else []
+    headers.append(("content-length", str(len(body))))
+    return HTTPCase(method, path, tuple(headers), body, wrong == "none")
+
+
+REQUESTS = _http_request()
