@@ -21,11 +21,13 @@ setup: $(STAMP)
 
 # The default suite shares one local Ray cluster; the `network` suite needs the package index
 # (skipped offline); the `cluster` suite starts its own two-node cluster on loopback, so it runs
-# in a pytest process of its own.
+# in a pytest process of its own; the `integration` suite starts each shipped Serve config on fresh
+# 2-CPU local clusters (`serve run` subprocesses).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25
 	$(BIN)/python -m pytest -q --durations=10 -m network
 	$(BIN)/python -m pytest -q --durations=10 -m cluster tests/test_cluster.py
+	$(BIN)/python -m pytest -q --durations=10 -m integration
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer.demo
