@@ -140,12 +140,19 @@ def build_app(args: dict[str, Any] | str | Path | GraphConfig) -> Application:
         nodes, replicas = live_nodes(), graph_replicas(config)
         check_placement([r.demand for r in replicas], nodes)
         check_graph_fits(replicas, nodes)
+    return bind_graph(config)
+
+
+def bind_graph(config: GraphConfig) -> Application:
+    """The application of a validated config, without the placement check."""
     ingress = serve.deployment(RolloutGraph, **config.ingress.deployment_options("RolloutGraph"))
     return ingress.bind(config, build_encoder(config), build_rollout(config),
                         build_decoders(config), build_scorers(config))
 
 
-app = build_app(DEFAULT_CONFIG)
+# `serve run graph:app` imports this before it connects; importing graph inside a cluster (a
+# Serve config's `graph:build_app`) must not check the default graph against it
+app = bind_graph(load_graph_config(DEFAULT_CONFIG))
 DELETE_TIMEOUT_S = 60.0     # delete_graph: for Ray to finish killing the two detached actors
 
 
