@@ -160,7 +160,8 @@ def test_autoscaling_maxima_that_never_fit_warn_with_the_figures():
         assert check_graph_fits(graph, [local()]).fits          # deploys: 1 CPU of 2
     [warning] = record
     text = str(warning.message)
-    assert "at its autoscaling maxima" in text and "needs [CPU 2.5" in text and "have [CPU 2.0" in text
+    assert "at its autoscaling maxima" in text
+    assert "needs [CPU 2.5" in text and "have [CPU 2.0" in text
     assert "DiTRollout (rollout_stage) 1 of 4 replica(s) of [CPU 0.5]" in text
     with warnings.catch_warnings():
         warnings.simplefilter("error")              # maxima that fit: silent

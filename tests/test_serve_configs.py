@@ -32,6 +32,7 @@ from tests.serve_configs import (CONFIGS, LOCAL_CPUS, LOCAL_MEMORY_BYTES, READY_
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(7200)]
 
 SERVE_RUN = ("sd3.yaml", "flux.yaml")          # started with `serve run` in a subprocess
+THREE_CPUS = "sd3_three_cpus.yaml"              # sd3.yaml as it shipped: 3 CPUs
 IN_PROCESS = [p.name for p in serve_config_files() if p.name not in SERVE_RUN]
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -65,6 +66,13 @@ def outcomes(tmp_path_factory, tiny_checkpoint, clap_dir) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("user_configs")
     port = free_port()
     paths = [write_user_config(n, folder, tiny_checkpoint, clap_dir, port) for n in IN_PROCESS]
+    # configs/sd3.yaml as it shipped before it fitted: 1 + 1 + 0.5 + 0.25 + 0.25 CPUs
+    three = user_config(CONFIGS / "sd3.yaml", tiny_checkpoint, clap_dir, port)
+    three["applications"][0]["args"].update(encoder={"num_cpus": 1},
+                                            rollout_stage={"num_cpus": 1},
+                                            decoder={"num_cpus": 0.5})
+    (folder / THREE_CPUS).write_text(yaml.safe_dump(three, sort_keys=False))
+    paths.append(folder / THREE_CPUS)
     bound_s = len(paths) * (READY_TIMEOUT_S + ROLLOUT_TIMEOUT_S) + 300
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tests.serve_configs", "--http-port", str(port),
@@ -101,12 +109,25 @@ def test_shipped_config_serves_on_two_cpus_or_is_refused_at_build(name, outcomes
 
 def test_a_graph_over_two_cpus_is_refused_at_build_naming_the_figures(outcomes):
     """The GPU configs on the 2-CPU cluster: the refusal says what they need, at build."""
-    refused = {n: r for n, r in outcomes.items() if n != "_stderr" and
+    refused = {n: r for n, r in outcomes.items() if n not in ("_stderr", THREE_CPUS) and
                r.get("outcome") == "refused"}
     assert refused, "no shipped config needs more than 2 CPUs?"
     for name, result in refused.items():
         assert header_needs(CONFIGS / name) is not None, (name, result)
-        assert "GPU" in result["message"] or "label" in result["message"], result
+        assert any(what in result["message"] for what in ("CPU", "GPU", "memory", "label")), \
+            result
+
+
+def test_the_old_three_cpu_sd3_config_is_refused_naming_demand_capacity_and_waiting(outcomes):
+    """The whole-graph check on the live cluster: every stage fits alone, the graph does not."""
+    result = outcomes[THREE_CPUS]
+    assert result["outcome"] == "refused", result
+    message = result["message"]
+    assert "does not fit the cluster at its starting replica counts" in message, message
+    assert "needs [CPU 3.0, GPU 0.0, memory 2.00 GiB]" in message, message
+    assert "have [CPU 2.0, GPU 0.0, memory 12.00 GiB]" in message, message
+    assert "waiting for resources: " in message and "1 of 1 replica(s)" in message, message
+    assert result["field"].endswith(".resources"), result
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, log: Path, deadline: float) -> float:
