@@ -24,11 +24,12 @@ WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 def _pipeline_class(family: ModelFamily):
+    """The family's text-to-media pipeline class: its LoRA loader reads and writes the
+    transformer's LoRA, whichever accepted class saved the checkpoint folder."""
     import diffusers
-    from adapters.checkpoint import read_model_index
-    name = read_model_index(family.root)["_class_name"] if \
-        (family.root / "model_index.json").is_file() else None
-    cls = getattr(diffusers, name, None) if name else None
+    from adapters.registry import PIPELINE_CLASSES
+    classes = PIPELINE_CLASSES.get(family.name, ())
+    cls = getattr(diffusers, classes[0], None) if classes else None
     if cls is None or not hasattr(cls, "save_lora_weights"):
         raise ConfigError(f"{family.name} has no diffusers pipeline with a LoRA loader",
                           field="adapter", expected="a diffusers checkpoint family",
@@ -98,4 +99,3 @@ def load_diffusers_lora(family: ModelFamily, path: str | Path
     meta = metadata or {}                     # diffusers flattens it: "transformer.lora_alpha"
     alpha = meta.get("transformer.lora_alpha", meta.get("lora_alpha", rank))
     return tensors, float(alpha) / rank
-

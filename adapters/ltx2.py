@@ -20,9 +20,10 @@ As LTX2Pipeline / LTX2ImageToVideoPipeline / LTX2ConditionPipeline (diffusers 0.
               applied by diffusion/step.py). Video uses the request's guidance_scale, audio the
               configured audio_guidance_scale (the pipeline's default 7; None = the video scale).
               CFG runs when guidance_scale > 1 or audio_guidance_scale > 1
-              (`do_classifier_free_guidance`, pipeline_ltx2.py:903, pipeline_ltx2_image2video.py:957,
-              pipeline_ltx2_condition.py:1322), with both streams' deltas (a video scale <= 1 is
-              applied as such); otherwise the conditional branch alone.
+              (`do_classifier_free_guidance`, pipeline_ltx2.py:903,
+              pipeline_ltx2_image2video.py:957, pipeline_ltx2_condition.py:1322), with both
+              streams' deltas (a video scale <= 1 is applied as such); otherwise the
+              conditional branch alone.
               STG and modality-isolation guidance each need another forward per step: not
               supported; stg_scale != 0 or modality_scale != 1 is a ConfigError.
   sampler     one sampler over both streams: same sigma, same SDE noise level, per-entry noise,

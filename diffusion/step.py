@@ -100,6 +100,14 @@ class Guidance:
         return cls(rule.kind, scale, uncond)
 
     @classmethod
+    def conditional(cls, rule: GuidanceRule, rows: int) -> "Guidance":
+        """The conditional branch alone at scale 1 (an embedded scale of 1), whatever the rule
+        decides at 1: what a check comparing one raw forward with a reference runs."""
+        if not isinstance(rule, GuidanceRule):
+            raise TypeError(f"guidance is decided by a family's GuidanceRule, not {rule!r}")
+        return cls(rule.kind, torch.ones(rows))
+
+    @classmethod
     def none(cls, rows: int) -> "Guidance":
         return cls(GuidanceKind.NONE, torch.ones(rows))
 

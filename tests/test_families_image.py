@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adapters.family import Overflow
-from contract import (ConfigError, InvalidRequestError, LimitExceededError, RequestLimits, RolloutRequest,
-                      SamplingSpec, Task)
+from contract import (ConfigError, InvalidRequestError, LimitExceededError, RequestLimits,
+                      RolloutRequest, SamplingSpec, Task)
 from tests.family_conformance import (NEGATIVE, PROMPTS, FamilyConformance,
                                       check_time_convention_flip)
 

@@ -105,7 +105,7 @@ def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBu
     x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen).to(device)
     inputs = family.codec.encode_media({}, sampling, {}).inputs
     media = {k: v.expand(rows, *v.shape[1:]).to(device) for k, v in inputs.items()} or None
-    guidance = learner.guidance(rows, 1.0, None)
+    guidance = Guidance.conditional(family.spec.guidance, rows)   # one raw forward per step
     worst_time = worst_step = 0.0
     with learner.policy(PolicyRole.REFERENCE) as models:
         for i in range(sampling.num_steps):
