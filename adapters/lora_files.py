@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 
 from adapters.family import ModelFamily
-from contract import ConfigError, LoRAMapError
+from contract import ConfigError, LoRAMapError, NonFiniteError
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -50,9 +50,53 @@ def _check_targets(family: ModelFamily, tensors: Mapping[str, torch.Tensor]) -> 
                                actual=rest)
 
 
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def nonfinite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the floating tensors holding NaN or Inf (a policy that cannot be served)."""
+    return [k for k, t in tensors.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def check_lora_tensors(tensors: Mapping[str, torch.Tensor], field: str) -> int:
+    """Peft-named LoRA tensors: every key `<module>.lora_A.weight` / `.lora_B.weight`, both of
+    each module, 2-D, A (r, in) and B (out, r) of one rank r, finite. Returns r."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if not key.endswith(LORA_SUFFIXES):
+            raise LoRAMapError("not a LoRA weight name", field=f"{field}[{key}]",
+                               expected=[f"<module>{s}" for s in LORA_SUFFIXES], actual=key)
+        if value.ndim != 2:
+            raise LoRAMapError("a LoRA weight is a matrix", field=f"{field}[{key}]",
+                               expected="2 dimensions", actual=tuple(value.shape))
+        module, part = key[:-len(".weight")].rsplit(".", 1)
+        modules.setdefault(module, {})[part] = value
+    ranks = set()
+    for module, parts in modules.items():
+        if set(parts) != {"lora_A", "lora_B"}:
+            raise LoRAMapError("a module needs both lora_A and lora_B", field=f"{field}[{module}]",
+                               expected=["lora_A", "lora_B"], actual=sorted(parts))
+        a, b = parts["lora_A"], parts["lora_B"]
+        if a.shape[0] != b.shape[1]:
+            raise LoRAMapError("lora_A (r, in) and lora_B (out, r) ranks disagree",
+                               field=f"{field}[{module}.lora_B.weight]",
+                               expected=f"(out, {a.shape[0]})", actual=tuple(b.shape))
+        ranks.add(a.shape[0])
+    if len(ranks) != 1:
+        raise LoRAMapError("the LoRA's layers have different ranks", field=field,
+                           actual=sorted(ranks))
+    bad = nonfinite_keys(tensors)
+    if bad:
+        raise NonFiniteError("LoRA weights hold NaN or Inf", field=f"{field}[{bad[0]}]",
+                             expected="finite values", actual=f"{len(bad)} tensors")
+    return ranks.pop()
+
+
 def save_diffusers_lora(family: ModelFamily, tensors: Mapping[str, torch.Tensor], scale: float,
                         rank: int, out_dir: str | Path) -> Path:
     """Write `tensors` (peft names, as Learner.export returns them) for diffusers."""
+    check_lora_tensors(tensors, "lora")
     _check_targets(family, tensors)
     cls = _pipeline_class(family)
     if len(family.spec.transformers) != 1:
@@ -90,12 +134,8 @@ def load_diffusers_lora(family: ModelFamily, path: str | Path
     if not tensors:
         raise LoRAMapError("the LoRA file holds no transformer tensors", field="lora.init_from",
                            actual=str(path))
+    rank = check_lora_tensors(tensors, "lora.init_from")
     _check_targets(family, tensors)
-    ranks = {t.shape[0] for k, t in tensors.items() if ".lora_A." in k}
-    if len(ranks) != 1:
-        raise LoRAMapError("the LoRA's layers have different ranks", field="lora.init_from",
-                           actual=sorted(ranks))
-    rank = ranks.pop()
     meta = metadata or {}                     # diffusers flattens it: "transformer.lora_alpha"
     alpha = meta.get("transformer.lora_alpha", meta.get("lora_alpha", rank))
     return tensors, float(alpha) / rank

@@ -144,6 +144,24 @@ class DecoderStage(StageOptions):
     dtype: str = Field("float32", description="Weights dtype of the decoders.")
 
 
+def check_pip_spec(spec: str, field: str) -> None:
+    """One requirement (`name[extras]<op>version`, `name @ url` written without spaces) or one
+    local wheel: Ray writes each entry as a line of a requirements file, so whitespace, a
+    newline or a leading `-` would smuggle in pip options (`--index-url`, `-e`, `-r`)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    if not spec or any(c.isspace() or not c.isprintable() for c in spec) or \
+            spec.startswith("-"):
+        raise ValueError(f"{field} must be one requirement without whitespace or options, "
+                         f"got {spec!r}")
+    if spec.endswith(".whl") and "://" not in spec and ";" not in spec:
+        return
+    try:
+        Requirement(spec)
+    except InvalidRequirement as exc:
+        raise ValueError(f"{field} is not a requirement specifier ({exc}), got {spec!r}") \
+            from None
+
+
 class ScorerRuntimeEnv(Model):
     """A scorer replica's own Ray runtime_env: packages the graph's environment lacks (or pins
     differently) are installed into a virtualenv of that replica alone, on top of the graph's
@@ -156,8 +174,7 @@ class ScorerRuntimeEnv(Model):
     @model_validator(mode="after")
     def _check(self) -> "ScorerRuntimeEnv":
         for i, spec in enumerate(self.pip):
-            if not spec.strip() or spec.lstrip().startswith("-"):
-                raise ValueError(f"pip[{i}] must be a requirement specifier, got {spec!r}")
+            check_pip_spec(spec, f"pip[{i}]")
         return self
 
     def to_ray(self) -> dict[str, Any]:

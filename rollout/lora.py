@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from adapters.lora_files import nonfinite_keys
 from adapters.lora_targets import LoRATargetMap
 from contract import LoRAMapError, PolicyVersionError
 
@@ -111,6 +112,10 @@ def map_lora_tensors(model: nn.Module, lora_map: LoRATargetMap,
             raise LoRAMapError(f"{missing} is missing for this module", field=f"lora[{module}]",
                                expected="lora_A and lora_B", actual=sorted(ab))
         (key_a, a), (key_b, b) = ab["A"], ab["B"]
+        bad = nonfinite_keys({key_a: a, key_b: b})
+        if bad:                      # never served: every request on it would fail late
+            raise PolicyVersionError("the version's LoRA weights hold NaN or Inf",
+                                     field=f"lora[{bad[0]}]", expected="finite values")
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoRAMapError("lora_A (r, in) and lora_B (out, r) ranks disagree",
                                field=f"lora[{key_b}]", expected=f"(out, {a.shape[0]})",

@@ -17,7 +17,10 @@ Formats (DatasetFormat; AUTO picks by suffix):
             chooses it for a .jsonl whose first record has "tag" and "include".
 Every bad input is a DatasetError naming `<file>:<line>`: a missing file, a file without prompts,
 a line that is not JSON or has no prompt, a condition path that does not open as an image/video.
-Media are checked (opened, headers verified) at load; their pixels are read per request.
+Media are checked (opened, headers verified, the first video frame decoded) at load; their
+pixels are read per request. Condition paths stay under the prompt file's folder (after `..` and
+symlinks); images are PNG / JPEG / WebP in 8-bit RGB, videos .mp4 / .m4v / .mov / .webm / .mkv
+read by that demuxer in 8-bit; files, pixels and frames are bounded (MAX_* below).
 """
 from __future__ import annotations
 
@@ -78,52 +81,132 @@ class PromptRecord:
 
 
 # ---- media ------------------------------------------------------------------------------------
-def _check_image(path: Path, source: str) -> None:
+# Declared formats only: images by Pillow's PNG / JPEG / WebP decoders, videos by the FFmpeg demuxer
+# their suffix names, reading the opened file object (never a URL, protocol or playlist that a
+# demuxer picked from the content could reach). 8-bit RGB images and 8-bit video only: nothing is
+# converted silently (16-bit, palette, alpha, grayscale are refused, naming the mode).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+VIDEO_DEMUXERS = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".webm": "webm",
+                  ".mkv": "matroska"}
+MAX_MEDIA_BYTES = 256 << 20            # one condition file
+MAX_IMAGE_PIXELS = 4096 * 4096         # one image or video frame
+MAX_VIDEO_FRAMES = 1024
+MAX_VIDEO_PIXELS = 256 << 20           # all frames of one video (768 MiB as RGB)
+
+
+def _media_error(kind: str, exc: BaseException, source: str, path: Path) -> DatasetError:
+    if isinstance(exc, DatasetError):
+        return exc
+    return DatasetError(f"condition {kind} does not load ({type(exc).__name__}: {exc})",
+                        field=source, expected=f"a readable {kind} file", actual=str(path))
+
+
+def _check_size(path: Path, source: str) -> None:
+    size = path.stat().st_size
+    if size > MAX_MEDIA_BYTES:
+        raise DatasetError("condition media file is too large", field=source,
+                           expected=f"<= {MAX_MEDIA_BYTES} bytes", actual=size)
+
+
+def _open_image(path: Path, source: str):
     from PIL import Image
+    _check_size(path, source)
+    img = Image.open(path, formats=IMAGE_FORMATS)               # header only
+    if img.mode != "RGB":
+        img.close()
+        raise DatasetError("condition image must be 8-bit RGB (it is not converted)",
+                           field=source, expected="RGB", actual=f"{img.mode} ({path})")
+    if img.width * img.height > MAX_IMAGE_PIXELS:
+        img.close()
+        raise DatasetError("condition image has too many pixels", field=source,
+                           expected=f"<= {MAX_IMAGE_PIXELS}", actual=img.width * img.height)
+    return img
+
+
+def _check_image(path: Path, source: str) -> None:
     try:
-        with Image.open(path) as img:
+        with _open_image(path, source) as img:
             img.verify()
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file
-        raise DatasetError(f"condition image does not load ({type(exc).__name__}: {exc})",
-                           field=source, expected="a readable image file",
-                           actual=str(path)) from None
+        raise _media_error("image", exc, source, path) from None
 
 
 def _read_image(path: Path, source: str) -> torch.Tensor:
-    from PIL import Image
     try:
-        with Image.open(path) as img:
-            array = np.asarray(img.convert("RGB"))
+        with _open_image(path, source) as img:
+            array = np.asarray(img)
     except Exception as exc:  # noqa: BLE001
-        raise DatasetError(f"condition image does not load ({type(exc).__name__}: {exc})",
-                           field=source, actual=str(path)) from None
+        raise _media_error("image", exc, source, path) from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()       # (3, H, W) uint8
 
 
-def _check_video(path: Path, source: str) -> None:
+def _video_frames(path: Path, source: str, first_only: bool):
+    """Decoded rgb24 frames of the file's first video stream, within the frame / pixel bounds."""
     import av
+    demuxer = VIDEO_DEMUXERS.get(path.suffix.lower())
+    if demuxer is None:
+        raise DatasetError("condition video does not load: its suffix names no declared "
+                           "format", field=source,
+                           expected=sorted(VIDEO_DEMUXERS), actual=path.suffix or str(path))
+    _check_size(path, source)
+    with open(path, "rb") as file, av.open(file, format=demuxer) as container:
+        if not container.streams.video:
+            raise DatasetError("condition video has no video stream", field=source,
+                               actual=str(path))
+        stream = container.streams.video[0]
+        pixels = stream.codec_context.width * stream.codec_context.height
+        if pixels > MAX_IMAGE_PIXELS:
+            raise DatasetError("condition video frames have too many pixels", field=source,
+                               expected=f"<= {MAX_IMAGE_PIXELS}", actual=pixels)
+        if stream.frames > MAX_VIDEO_FRAMES:
+            raise DatasetError("condition video has too many frames", field=source,
+                               expected=f"<= {MAX_VIDEO_FRAMES}", actual=stream.frames)
+        frames, total = [], 0
+        for frame in container.decode(stream):
+            fmt = frame.format
+            if fmt.has_palette or any(c.bits > 8 for c in fmt.components):
+                raise DatasetError("condition video must be 8-bit (it is not converted)",
+                                   field=source, expected="8 bits per component",
+                                   actual=fmt.name)
+            total += frame.width * frame.height
+            if len(frames) >= MAX_VIDEO_FRAMES or total > MAX_VIDEO_PIXELS:
+                raise DatasetError("condition video decodes to more than its bound",
+                                   field=source, expected=f"<= {MAX_VIDEO_FRAMES} frames and "
+                                   f"{MAX_VIDEO_PIXELS} pixels", actual=f"> {len(frames)} frames")
+            frames.append(frame.to_ndarray(format="rgb24"))
+            if first_only:
+                break
+    return frames
+
+
+def _check_video(path: Path, source: str) -> None:
     try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ValueError("no video stream")
-            next(container.decode(video=0))               # the first frame decodes
+        frames = _video_frames(path, source, first_only=True)     # the first frame decodes
     except Exception as exc:  # noqa: BLE001 - PyAV raises its own error tree
-        raise DatasetError(f"condition video does not load ({type(exc).__name__}: {exc})",
-                           field=source, expected="a readable video file",
-                           actual=str(path)) from None
+        raise _media_error("video", exc, source, path) from None
+    if not frames:
+        raise DatasetError("condition video has no frames", field=source, actual=str(path))
 
 
 def _read_video(path: Path, source: str) -> torch.Tensor:
-    import av
     try:
-        with av.open(str(path)) as container:
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        frames = _video_frames(path, source, first_only=False)
     except Exception as exc:  # noqa: BLE001
-        raise DatasetError(f"condition video does not load ({type(exc).__name__}: {exc})",
-                           field=source, actual=str(path)) from None
+        raise _media_error("video", exc, source, path) from None
     if not frames:
         raise DatasetError("condition video has no frames", field=source, actual=str(path))
     return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()  # (T, 3, H, W)
+
+
+def _confined(value: str, base: Path, source: str) -> Path:
+    """`value` (relative to the prompt file's folder, or absolute) resolved, symlinks included;
+    a path outside that folder is refused."""
+    root = base.resolve()
+    path = (Path(value) if Path(value).is_absolute() else root / value).resolve()
+    if not path.is_relative_to(root):
+        raise DatasetError("condition media path leaves the prompt file's folder", field=source,
+                           expected=f"a file under {root}", actual=value)
+    return path
 
 
 # ---- records ----------------------------------------------------------------------------------
@@ -167,7 +250,7 @@ def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> P
             continue
         if not isinstance(value, str) or not value:
             raise DatasetError(f"'{key}' must be a path string", field=source, actual=value)
-        path = Path(value) if Path(value).is_absolute() else base / value
+        path = _confined(value, base, source)
         (_check_image if modality is Modality.IMAGE else _check_video)(path, source)
         media[key] = path
     return PromptRecord(prompt.strip(), source, negative, dict(metadata), media)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -129,13 +130,27 @@ def save_checkpoint(run_dir: Path, step: int, tensors: Mapping[str, Mapping[str,
     return root
 
 
+def checkpoint_folder(run_dir: Path, name: str) -> Path:
+    """The folder the "latest" marker names: `step_<k>` directly under the run's checkpoints
+    folder (after symlinks), never a path elsewhere."""
+    checkpoints = (run_dir / "checkpoints").resolve()
+    name = name.strip()
+    root = (checkpoints / name).resolve()
+    if re.fullmatch(r"step_[0-9]{6,}", name) is None or root.parent != checkpoints \
+            or not root.is_dir():
+        raise ConfigError("the checkpoint marker names no checkpoint of this run",
+                          field="resume", expected=f"step_<k> under {checkpoints}",
+                          actual=name[:100])
+    return root
+
+
 def load_checkpoint(run_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
     """(adapter tensors, optimizer state dict, state) of the latest checkpoint."""
     marker = run_dir / "checkpoints" / "latest"
     if not marker.is_file():
         raise ConfigError("resume requested but the run folder has no checkpoint",
                           field="resume", actual=str(run_dir))
-    root = run_dir / "checkpoints" / marker.read_text().strip()
+    root = checkpoint_folder(run_dir, marker.read_text(encoding="utf-8", errors="replace")[:256])
     tensors = {p.stem[len("lora_"):]: load_file(str(p)) for p in root.glob("lora_*.safetensors")}
     optimizer = torch.load(root / "optimizer.pt", weights_only=True)
     state = json.loads((root / "state.json").read_text())

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from adapters.lora_targets import LoRATargetMap
-from contract import ConfigError, LoRAMapError, PackedTensors, PolicyKind
+from contract import ConfigError, LoRAMapError, NonFiniteError, PackedTensors, PolicyKind
 from trainer.algorithms.nft import ema_update
 from trainer.lora import (OLD_ADAPTER, TRAIN_ADAPTER, LoRATrainConfig, PolicyRole, attach_lora,
                           export_lora_packed, lora_layers, lora_scale, refresh_old,
@@ -121,7 +121,9 @@ class LoRAWeights(PolicyWeights):
                         if key not in tensors:
                             raise LoRAMapError("LoRA tensors lack a layer", field=f"lora[{key}]",
                                                actual=sorted(tensors)[:3])
-                        getattr(layer, part)[adapter].weight.copy_(tensors[key])
+                        weight = getattr(layer, part)[adapter].weight
+                        _check_exact(tensors[key], weight, f"lora[{key}]")
+                        weight.copy_(tensors[key])
                         seen.add(key)
         extra = sorted(set(tensors) - seen)
         if extra:
@@ -215,10 +217,7 @@ class FullWeights(PolicyWeights):
                 raise LoRAMapError("full weights lack a parameter", field=f"weights[{name}]",
                                    actual=sorted(tensors)[:3])
             value = tensors[name]
-            if tuple(value.shape) != tuple(param.shape):
-                raise LoRAMapError("a full-weight tensor has the wrong shape",
-                                   field=f"weights[{name}]", expected=tuple(param.shape),
-                                   actual=tuple(value.shape))
+            _check_exact(value, param, f"weights[{name}]")
             if _is_dtensor(param):          # every rank holds the full tensor: keep its shard
                 value = distribute_tensor(value.to(param.device, param.dtype),
                                           param.device_mesh, param.placements,
@@ -233,3 +232,14 @@ class FullWeights(PolicyWeights):
     def refresh_old(self, decay: float) -> None:
         old = [p for _, p in self._named(OLD_ADAPTER)]
         ema_update(old, [p.detach() for p in self.trainable()], decay)
+
+
+def _check_exact(value: torch.Tensor, param: torch.Tensor, field: str) -> None:
+    """A loaded tensor has exactly the parameter's shape (copy_ would broadcast an (r, 1), (in,)
+    or scalar tensor silently) and finite values."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise LoRAMapError("a loaded tensor has the wrong shape", field=field,
+                           expected=tuple(param.shape), actual=tuple(value.shape))
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise NonFiniteError("a loaded tensor holds NaN or Inf", field=field,
+                             expected="finite values")

@@ -15,7 +15,8 @@ from typing import Mapping
 import ray
 import torch
 
-from contract import PackedTensors, PolicyKind, PolicyVersionError
+from adapters.lora_files import nonfinite_keys
+from contract import NonFiniteError, PackedTensors, PolicyKind, PolicyVersionError
 from deployments.policy_store import PublishedPolicy, get_policy_store
 
 
@@ -44,6 +45,11 @@ class PolicyPublisher:
         version = self.version(name)
         packed = (tensors if isinstance(tensors, PackedTensors)    # one buffer: one fetch
                   else PackedTensors.pack(tensors))
+        bad = nonfinite_keys(packed.unpack())   # a NaN policy would fail every request
+        if bad:
+            raise NonFiniteError("the policy holds NaN or Inf; not published",
+                                 field=f"policy[{bad[0]}]", expected="finite values",
+                                 actual=f"{len(bad)} tensors", request_id=version)
         t1 = time.perf_counter()
         ref = ray.put(packed)
         t2 = time.perf_counter()
