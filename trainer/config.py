@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from contract import Algorithm, ConfigError, SamplerKind, Task
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
-from trainer.algorithms import KLTarget, OldPolicySchedule, StdScope, TimestepOrder
+from trainer.algorithms import KLTarget, OldLogProbs, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
 from trainer.datasets import DatasetFormat
 from trainer.learner_config import LearnerConfig, check_recipe
@@ -116,6 +116,10 @@ class FlowGRPOConfig(Model):
     kl_beta: float = Field(0.0, ge=0)
     kl_target: KLTarget = KLTarget.SDE_MEAN
     max_train_steps: int | None = Field(None, ge=1, description="Window steps trained (first n).")
+    old_log_probs: OldLogProbs = Field(
+        OldLogProbs.ROLLOUT, description="rollout: rows the learner's old policy sampled keep "
+        "their stored rollout log-probs, others are recomputed; recompute: every row's old "
+        "log-prob is recomputed by the learner (one extra forward per trained step).")
 
 
 class DPOConfig(Model):
@@ -200,6 +204,9 @@ class ChecksConfig(Model):
     token_ids: bool = True
     lora_map_atol: float = Field(1e-4, gt=0)
     logprob_ratio_tol: float = Field(1e-4, gt=0, description="|ratio - 1| at version parity.")
+    logprob_parity_every: int = Field(
+        1, ge=1, description="Run the log-prob parity check (learner vs rollout at the sampled "
+        "version; a mismatch over logprob_ratio_tol fails the run) every N steps.")
 
 
 class TrainerConfig(Model):

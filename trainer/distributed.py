@@ -38,7 +38,7 @@ from trainer.learner import Learner
 from trainer.learner_config import LearnerConfig, Placement
 from trainer.learner_worker import Job, LearnerChannel, learner_worker
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
-from trainer.updates import UPDATES, Batch, plan_update, shard_plan
+from trainer.updates import Batch, plan_update, run_update, shard_plan
 
 START_TIMEOUT_S = 900.0          # the worker group's start: processes, model loads
 
@@ -98,10 +98,12 @@ class LocalLearners:
     def __init__(self, cfg, learner: Learner, colocation: Colocation):
         self.cfg, self.learner, self.colocation = cfg, learner, colocation
 
-    def update(self, batch: Batch, gen: torch.Generator,
-               algorithm: Algorithm | None = None) -> dict[str, float]:
+    def update(self, batch: Batch, gen: torch.Generator, algorithm: Algorithm | None = None,
+               old_version: str | None = None) -> dict[str, float]:
+        """One step here; old_version: the learner's published pre-step version (FlowGRPO)."""
+        plan = plan_update(algorithm or self.cfg.algorithm, batch, self.cfg, gen, old_version)
         with self.colocation.learning():
-            return UPDATES[algorithm or self.cfg.algorithm](self.learner, batch, self.cfg, gen)
+            return run_update(self.learner, plan, self.cfg)
 
     def refresh_old(self, decay: float) -> None:
         self.learner.refresh_old(decay)
@@ -189,10 +191,10 @@ class RayTrainLearners:
                 raise exc
         return {rank: reply[1] for rank, reply in replies.items()}
 
-    def update(self, batch: Batch, gen: torch.Generator,
-               algorithm: Algorithm | None = None) -> dict[str, float]:
+    def update(self, batch: Batch, gen: torch.Generator, algorithm: Algorithm | None = None,
+               old_version: str | None = None) -> dict[str, float]:
         """One step: the plan over the whole batch here, each worker its shard."""
-        plan = plan_update(algorithm or self.cfg.algorithm, batch, self.cfg, gen)
+        plan = plan_update(algorithm or self.cfg.algorithm, batch, self.cfg, gen, old_version)
         s = self.cfg.learner
         balance = s.fine_tune is PolicyKind.FULL
         shards = [ray.put(shard_plan(plan, r, self.world, s.micro_batch_size, balance))

@@ -230,7 +230,8 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
             batch = build_batch(self.learner, [pending.prompts[i] for i in fresh],
                                 [outputs[i] for i in fresh], [samplings[i] for i in fresh],
                                 [media[i] for i in fresh])
-        for rows, _ in batch.window_groups:       # one check per SDE window (Flow-GRPO-Fast)
+        parity_due = self.step % self.cfg.checks.logprob_parity_every == 0
+        for rows, _ in batch.window_groups if parity_due else ():   # one per SDE window
             sub = batch.select(rows)
             parity = checks.logprob_mismatch(
                 self.learner, sub.trajectory, sub.cond, self.publisher.tensors_of,
@@ -243,7 +244,9 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
             t = torch.tensor(vals)
             metrics[f"reward_{name}_mean"], metrics[f"reward_{name}_std"] = (
                 float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0)
-        metrics.update(self.learners.update(batch, self.gen))
+        # the learner's weights now are the last version it published: its old policy
+        metrics.update(self.learners.update(batch, self.gen, old_version=(
+            None if self.samples_with_old else self.sampling_versions[-1])))
         metrics["rows"] = float(batch.rows)
         metrics["dropped_stale_rows"] = float(self.dropped_stale_rows)
         metrics["rollout_retries"] = float(self.rollout_retries)

@@ -19,13 +19,13 @@ from typing import Callable, Mapping
 
 import torch
 
-from contract import Algorithm, InvalidRequestError
+from contract import Algorithm, InvalidRequestError, PolicyVersionError
 from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
                                 flow_grpo_loss, group_advantages, nft_loss,
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 trainable_step_indices, transition_kl, velocity_kl,
                                 zero_advantage_groups, zero_advantage_rows, KLTarget,
-                                REFERENCE_ZERO_ADVANTAGE)
+                                REFERENCE_ZERO_ADVANTAGE, reusable_rows, rollout_old_log_probs)
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -87,11 +87,15 @@ class UpdatePlan:
     skip: bool = False             # nothing to train anywhere: no optimizer step
     pad_units: int = 0             # zero-weight micro-batches after its own, so every worker
     pad: Batch | None = None       # runs the same forwards (FSDP); rows for them if it has none
+    old_version: str | None = None  # FlowGRPO: the version of the learner's policy before this
+    # step (its old policy): rows it sampled may keep their rollout log-probs (OldLogProbs)
 
 
 def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
-                gen: torch.Generator) -> UpdatePlan:
-    """Advantages / pairs over the whole batch and one noise seed from `gen`."""
+                gen: torch.Generator, old_version: str | None = None) -> UpdatePlan:
+    """Advantages / pairs over the whole batch and one noise seed from `gen`. old_version: the
+    version the learner's current (pre-step) weights were published as; None = the batch's
+    one sampling version (a batch the learner sampled itself; several versions need it)."""
     algorithm = Algorithm(algorithm)
     noise_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     if algorithm is Algorithm.DPO:
@@ -115,7 +119,23 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
     else:
         values = adv
         metrics["window_groups"] = float(len(kept.window_groups))
+        old_version = _old_version(batch, old_version)
+        reused = reusable_rows(cfg.flow_grpo.old_log_probs, kept.versions, old_version)
+        metrics["old_logprob_reused_rows"] = float(reused.sum())
+        return UpdatePlan(algorithm, kept, values, kept.rows, noise_seed, metrics,
+                          old_version=old_version)
     return UpdatePlan(algorithm, kept, values, kept.rows, noise_seed, metrics)
+
+
+def _old_version(batch: Batch, old_version: str | None) -> str:
+    if old_version is not None:
+        return old_version
+    versions = sorted(set(batch.versions))
+    if len(versions) != 1:
+        raise PolicyVersionError("a batch of several sampling versions needs the learner's old "
+                                 "policy version stated", field="old_version",
+                                 expected="one of " + ", ".join(versions), actual=None)
+    return versions[0]
 
 
 def shard_plan(plan: UpdatePlan, rank: int, world: int, micro_batch_size: int | None = None,
@@ -237,7 +257,7 @@ def _grpo_units(batch: Batch, size: int | None) -> list[tuple[int, torch.Tensor]
 def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int, torch.Tensor],
               weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
     """Clipped surrogate on the stored fp32 window transitions of one micro-batch of a window
-    group (rollout log-probs are old); each row weighs 1 / total spread over its own window's
+    group (old log-probs as `OldLogProbs` says); each row weighs 1 / total spread over its own window's
     trained steps, so the loss is the mean over rows of the mean over that row's steps."""
     c, dev = cfg.flow_grpo, learner.device
     group, part = unit
@@ -250,10 +270,20 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
     cond, a, start = batch.cond.index_select(rows), _on(adv[rows], dev), traj.window[0]
     uncond = None if batch.uncond is None else batch.uncond.index_select(rows)
     inputs = {k: v[rows] for k, v in batch.inputs.items()}
+    versions = [batch.versions[i] for i in rows.tolist()]
+    reuse = reusable_rows(c.old_log_probs, versions, plan.old_version).to(dev)
     sums["trained_window_steps"] = sums.get("trained_window_steps", 0.0) + weight * len(steps)
     for j in steps:
         sigma = _on(traj.sigmas[j].expand(rows.shape[0]), dev)
         x_j = traj.latents[:, j - start]
+        old = traj.log_probs[:, j - start]
+        if reuse.all():
+            old = rollout_old_log_probs(old, versions, plan.old_version)
+        else:                 # the pre-step weights are the old policy: run_update steps last
+            with torch.no_grad():
+                v_old = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT,
+                                         traj.guidance_scale, uncond, inputs)
+            old = torch.where(reuse, old, recompute_step(traj, j, v_old).log_prob)
         v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale,
                              uncond, inputs)
         out = recompute_step(traj, j, v)
@@ -266,7 +296,7 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
                 kl = velocity_kl(v, v_ref)
             else:
                 kl = transition_kl(out, recompute_step(traj, j, v_ref))
-        loss = flow_grpo_loss(out.log_prob, traj.log_probs[:, j - start], a,
+        loss = flow_grpo_loss(out.log_prob, old, a,
                               clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
                               kl_beta=c.kl_beta)
         (loss.loss * (weight / len(steps))).backward()

@@ -7,9 +7,11 @@ from trainer.algorithms.advantages import (REFERENCE_ZERO_ADVANTAGE, AdvantageMo
                                            zero_advantage_groups, zero_advantage_rows)
 from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_inputs,
                                     sample_pair_sigmas)
-from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, WindowStep, flow_grpo_loss,
-                                          recompute_step, sde_mean_kl, trainable_step_indices,
-                                          transition_kl, velocity_kl, window_step)
+from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, OldLogProbs, WindowStep,
+                                          flow_grpo_loss, recompute_step, reusable_rows,
+                                          rollout_old_log_probs, sde_mean_kl,
+                                          trainable_step_indices, transition_kl, velocity_kl,
+                                          window_step)
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, ema_update,
                                   nft_loss, nft_timestep_indices, old_decay)
 
@@ -18,7 +20,8 @@ __all__ = [
     "group_advantages", "group_index", "optimality_probability", "per_reward_advantages",
     "zero_advantage_groups", "zero_advantage_rows", "ZeroAdvantageRule",
     "REFERENCE_ZERO_ADVANTAGE", "DPOLoss", "DPOPairInputs", "dpo_loss",
-    "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "WindowStep",
+    "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "OldLogProbs",
+    "reusable_rows", "rollout_old_log_probs", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
     "transition_kl", "velocity_kl",
     "window_step", "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",

@@ -3,7 +3,8 @@
 Reference: Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL" (arXiv 2505.05470),
 the clipped GRPO objective with a KL to the reference, on the SDE obtained from the flow ODE.
 The log-prob of step j is recomputed by the trainer with `diffusion.samplers.sampler_step(...,
-prev_sample=x_{j+1})` on the stored fp32 (x_j, x_{j+1}); `old_log_prob` is the rollout's value.
+prev_sample=x_{j+1})` on the stored fp32 (x_j, x_{j+1}); `old_log_prob` is the rollout's value
+where the learner's old policy sampled the row, else recomputed (`OldLogProbs`).
 Shapes: B = samples, K = trained steps, *S = per-sample state shape.
 """
 from __future__ import annotations
@@ -13,9 +14,45 @@ from enum import Enum
 
 import torch
 
-from contract import ConfigError, InvalidRequestError, NonFiniteError, Trajectory
+from contract import (ConfigError, InvalidRequestError, NonFiniteError, PolicyVersionError,
+                      Trajectory)
 from diffusion.samplers import StepOutput
 from diffusion.step import FrozenLatents, transition
+
+
+class OldLogProbs(str, Enum):
+    """Where the ratio's old-policy log-probs come from. The old policy is the learner's policy
+    before this update (PPO's pi_old): the last version it published.
+
+    ROLLOUT: a row sampled by that version keeps the log-probs the rollout stored (recorded in
+    fp32 by the same step function; the per-step parity check bounds |ratio - 1| between the
+    two), so its old log-probs cost nothing; a row of another version (an async batch sampled
+    before the last update) is recomputed. RECOMPUTE: every row's old log-prob is recomputed by
+    the learner, one extra no-grad forward per trained step (verl's default). FlowGRPO only:
+    DiffusionNFT and Diffusion-DPO use no log-probs."""
+
+    ROLLOUT = "rollout"
+    RECOMPUTE = "recompute"
+
+
+def reusable_rows(mode: OldLogProbs, versions: tuple[str, ...] | list[str],
+                  old_version: str) -> torch.Tensor:
+    """(B,) bool: rows whose stored rollout log-probs stand in for the old policy's."""
+    if mode is OldLogProbs.RECOMPUTE:
+        return torch.zeros(len(versions), dtype=torch.bool)
+    return torch.tensor([v == old_version for v in versions], dtype=torch.bool)
+
+
+def rollout_old_log_probs(log_probs: torch.Tensor, versions: tuple[str, ...] | list[str],
+                          old_version: str) -> torch.Tensor:
+    """The stored rollout log-probs as old-policy log-probs, only for rows that policy sampled:
+    a row of another version is a PolicyVersionError naming both (never a silent reuse)."""
+    for i, version in enumerate(versions):
+        if version != old_version:
+            raise PolicyVersionError("rollout log-probs stand in for the old policy's only on "
+                                     "rows that policy sampled", field=f"versions[{i}]",
+                                     expected=old_version, actual=version)
+    return log_probs
 
 
 class KLTarget(str, Enum):
