@@ -21,8 +21,8 @@ When they cannot all be placed it is a ConfigError naming the demand per resourc
 capacity and the stages that would wait; replicas up to the autoscaling maxima that could never
 be placed are a `PlacementWarning` with the same figures. Capacity is the nodes' totals (what
 other applications hold is not subtracted). Packing is first fit, largest first, then (up to
-EXACT_SEARCH_ITEMS replicas) an exhaustive search, so a refusal of a small graph is never a
-heuristic's miss.
+EXACT_SEARCH_ITEMS replicas) an exhaustive search within EXACT_SEARCH_STEPS tries, so a small
+graph is not refused for a heuristic's miss.
 """
 from __future__ import annotations
 
