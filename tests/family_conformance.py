@@ -398,6 +398,8 @@ class FamilyConformance:
         assert type(pipe).__name__ in classes
         assert set(classes) <= set(PIPELINE_CLASSES[self.family]), \
             sorted(set(classes) - set(PIPELINE_CLASSES[self.family]))
+        first = fam.spec.transformers[0]
+        weights = fam.load(first).state_dict()
         for name in classes:
             cls = getattr(diffusers, name)
             params = diffusers_pipeline_classes()[name][0]
@@ -411,6 +413,9 @@ class FamilyConformance:
                 assert dict(other.spec.tasks) == dict(fam.spec.tasks), name
                 assert other.spec.guidance == fam.spec.guidance
                 assert other.spec.transformers == fam.spec.transformers
+            loaded = other.load(first).state_dict()          # the weights load from the folder
+            assert loaded.keys() == weights.keys()
+            assert all(torch.equal(loaded[k], weights[k]) for k in weights), name
         foreign = next(c for f, cs in PIPELINE_CLASSES.items() if f != self.family for c in cs)
         other = tmp_path / "foreign"
         shutil.copytree(root, other)
