@@ -309,8 +309,23 @@ def default_costs(config) -> Path:
     return ARCHITECTURE_COSTS.get(config.rollout.architecture, RESULTS / "stage_costs.json")
 
 
+def parse_learner_devices(value: str, devices: float) -> float | None:
+    """--learner-gpus: a number of devices in [0, devices), or None for 'auto'."""
+    if value == "auto":
+        return None
+    try:
+        learner = float(value)
+    except ValueError:
+        raise ConfigError("learner devices are a number or 'auto'", field="--learner-gpus",
+                          expected="a number or 'auto'", actual=value) from None
+    if not 0 <= learner < devices:
+        raise ConfigError("the learner takes every device (or fewer than none)",
+                          field="--learner-gpus", expected=f"in [0, {devices:g})",
+                          actual=learner)
+    return learner
+
+
 def main(argv: list[str] | None = None) -> int:
-    from graph import declared_family
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path,
                         help="a graph config, or a trainer config (its graph and batch)")
@@ -332,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for plan.json + plan.png (default: print only)")
     args = parser.parse_args(argv)
+    learner = parse_learner_devices(args.learner_gpus, args.gpus)
     config, batch = load_plan_config(args.config)
     if args.samples_per_step is None:
         args.samples_per_step = batch or 64
@@ -339,20 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("samples per step must be positive", field="--samples-per-step",
                           expected=">= 1", actual=args.samples_per_step)
     costs = load_costs(args.costs or default_costs(config))
+    from graph import declared_family
     note = "" if args.decoders is not None else declared_family(config).source.note
     stages = stage_costs(config, costs, args.decoders)
-    if args.learner_gpus == "auto":
+    if learner is None:
         plan = best_split(stages, args.gpus, costs, args.samples_per_step, args.node_gpus)
     else:
-        try:
-            learner = float(args.learner_gpus)
-        except ValueError:
-            raise ConfigError("learner devices are a number or 'auto'", field="--learner-gpus",
-                              expected="a number or 'auto'", actual=args.learner_gpus) from None
-        if not 0 <= learner < args.gpus:
-            raise ConfigError("the learner takes every device (or fewer than none)",
-                              field="learner_gpus", expected=f"in [0, {args.gpus:g})",
-                              actual=learner)
         plan = make_plan(stages, args.gpus - learner, costs, args.samples_per_step, learner)
     print(format_table(plan))
     if note:

@@ -8,11 +8,10 @@ the transformer can be built from its config with random weights (speed does not
 weights). The text encoders are not written: the GPU check feeds random conditions of their
 real shapes.
 
-Values: stabilityai/stable-diffusion-3.5-medium as published for diffusers (transformer: 24
-layers, 24 heads x 64, joint_attention_dim 4096, caption_projection_dim 1536, pooled 2048,
-patch 2, 16 latent channels, pos_embed_max_size 384, dual attention in layers 0-12, qk RMSNorm;
-VAE: 16-channel AutoencoderKL, scaling 1.5305, shift 0.0609; scheduler: flow matching, static
-shift 3.0).
+Values: stabilityai/stable-diffusion-3.5-medium as published for diffusers, read from the shipped
+description adapters/architectures/sd3.5-medium (transformer: 24 layers, 24 heads x 64, dual
+attention in layers 0-12, qk RMSNorm; VAE: 16-channel AutoencoderKL, scaling 1.5305, shift
+0.0609; scheduler: flow matching, static shift 3.0); the tokenizers' windows are written here.
 """
 from __future__ import annotations
 
@@ -20,13 +19,15 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-SD35_MEDIUM_TRANSFORMER: dict[str, Any] = {
-    "_class_name": "SD3Transformer2DModel",
-    "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16,
-    "num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24,
-    "joint_attention_dim": 4096, "caption_projection_dim": 1536, "pooled_projection_dim": 2048,
-    "pos_embed_max_size": 384, "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm",
-}
+from adapters.architectures import architecture_root
+
+
+def _described(rel: str) -> dict[str, Any]:
+    return json.loads((architecture_root("sd3.5-medium") / rel).read_text())
+
+
+# the published values, from the shipped description (adapters/architectures/sd3.5-medium)
+SD35_MEDIUM_TRANSFORMER: dict[str, Any] = _described("transformer/config.json")
 
 # The tests' tiny SD3.5 layout (scripts/tiny_checkpoints.py): the same blocks (qk RMSNorm, a
 # dual-attention layer, patch 2, 16 channels) at a size a CPU runs in milliseconds.
@@ -38,31 +39,9 @@ TINY_SD35_TRANSFORMER: dict[str, Any] = {
     "pos_embed_max_size": 16, "dual_attention_layers": [0], "qk_norm": "rms_norm",
 }
 
-SD35_MEDIUM_VAE: dict[str, Any] = {
-    "_class_name": "AutoencoderKL",
-    "in_channels": 3, "out_channels": 3, "latent_channels": 16,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "norm_num_groups": 32,
-    "act_fn": "silu", "sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609,
-    "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False,
-}
-
-SD35_SCHEDULER: dict[str, Any] = {"_class_name": "FlowMatchEulerDiscreteScheduler",
-                                  "num_train_timesteps": 1000, "shift": 3.0}
-
-SD35_MODEL_INDEX: dict[str, Any] = {
-    "_class_name": "StableDiffusion3Pipeline",
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-    "text_encoder_3": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "tokenizer_2": ["transformers", "CLIPTokenizer"],
-    "tokenizer_3": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "SD3Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-    "image_encoder": [None, None], "feature_extractor": [None, None],
-}
+SD35_MEDIUM_VAE: dict[str, Any] = _described("vae/config.json")
+SD35_SCHEDULER: dict[str, Any] = _described("scheduler/scheduler_config.json")
+SD35_MODEL_INDEX: dict[str, Any] = _described("model_index.json")
 
 SD35_TOKENIZERS: dict[str, dict[str, Any]] = {
     "tokenizer": {"tokenizer_class": "CLIPTokenizer", "model_max_length": 77},
