@@ -26,7 +26,7 @@ from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
-from deployments.objects import get_object_holder, holder_name
+from deployments.objects import get_object_holder, holder_name, shard_name
 from deployments.placement import (StageDemand, StageReplicas, check_graph_fits,
                                    check_placement, demand_from_options, head_actor,
                                    into_bundles, live_nodes, replica_counts)
@@ -91,8 +91,9 @@ def graph_replicas(config: GraphConfig) -> list[StageReplicas]:
     its starting and maximum replica counts, and the two detached actors on the head node."""
     out = [StageReplicas(demand_from_options(field, opts), *replica_counts(opts))
            for field, opts in stage_options(config).values()]
-    for field, name in (("policy_store", "PolicyStore"), ("app_name", "ObjectHolder")):
-        out.append(StageReplicas(head_actor(field, name, HEAD_NODE), 1, 1))
+    for field, name, count in (("policy_store", "PolicyStore", 1),
+                               ("app_name", "ObjectHolder", config.objects.shards)):
+        out.append(StageReplicas(head_actor(field, name, HEAD_NODE), count, count))
     return out
 
 
@@ -167,7 +168,8 @@ def delete_graph(args: dict[str, Any] | str | Path | GraphConfig) -> None:
     import ray
     config = load_graph_config(args)
     serve.delete(config.app_name)
-    lookups = ((get_object_holder, holder_name(config.app_name)),
+    lookups = (*((get_object_holder, shard_name(holder_name(config.app_name), i))
+                 for i in range(config.objects.shards)),
                (get_policy_store, config.policy_store))
     for lookup, name in lookups:
         try:

@@ -245,6 +245,10 @@ class ObjectsOptions(Model):
                          "unreleased (a caller that fetched it releases it at once).")
     max_objects: int = Field(DEFAULT_MAX_OBJECTS, ge=1, description="References held at most; "
                              "the oldest go first.")
+    shards: int = Field(1, ge=1, le=64, description="Holder actors: each request's references "
+                        "live on the one its id hashes to, so holds and releases spread over "
+                        "them (raise it with the ingress and stage replica counts); each holds "
+                        "its share of max_objects.")
 
 
 class GraphConfig(Model):
@@ -281,7 +285,7 @@ class GraphConfig(Model):
     def object_holder(self) -> HolderSpec:
         """The graph's ObjectHolder actor and its bounds, as every stage gets it."""
         return HolderSpec(holder_name(self.app_name), self.objects.ttl_s,
-                          self.objects.max_objects)
+                          self.objects.max_objects, self.objects.shards)
 
     @property
     def weights_path(self) -> str | None:

@@ -17,7 +17,7 @@ from contract import (MediaArtifact, MissingArtifactError, Modality, Representat
                       StageOutput, UndeclaredArtifactError, validate_artifact)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import HolderSpec, ObjectKeeper, get_object_holder
+from deployments.objects import HolderShards, HolderSpec, ObjectKeeper
 from deployments.previews import av_preview_urls, preview_urls
 from rollout.recorder import check_finite
 
@@ -80,8 +80,7 @@ class DecoderServer:
         self.modules = self.family.load_decoder(latent_name, dtype, device)
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
-        self.objects = ObjectKeeper(holder=None if objects is None else
-                                    get_object_holder(objects))
+        self.objects = ObjectKeeper(holder=None if objects is None else HolderShards(objects))
 
     async def decode(self, latents: StageOutput, names: Sequence[str],
                      preview: bool = False, companion: StageOutput | None = None) -> StageOutput:

@@ -34,7 +34,7 @@ from deployments.failures import replica_died, replica_failed
 from deployments.http import HTTPFront, stage_error
 from deployments.memory import guard_replica_memory, process_memory, reset_peak_rss
 from deployments.metrics import StageMetrics
-from deployments.objects import get_object_holder
+from deployments.objects import HolderShards
 from diffusion.step import doubles_rows
 from rewards.combine import RewardCombiner, ScorerPolicy, policy_failure
 
@@ -69,7 +69,7 @@ class RolloutGraph(HTTPFront):
         self._prompt_checkers: tuple[str, ...] | None = None   # required scorers with a check
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
-        self.objects = get_object_holder(config.object_holder)   # the stages' outputs
+        self.objects = HolderShards(config.object_holder)   # the stages' outputs
 
     # ---------------------------------------------------------------- handle API
     async def rollout(self, requests: RolloutRequest | Sequence[RolloutRequest],
@@ -93,7 +93,7 @@ class RolloutGraph(HTTPFront):
     async def release(self, request_ids: Sequence[str]) -> int:
         """The caller has fetched these requests' outputs: the stages' object-store copies go
         (their owner's references; a caller's own fetched copies stay its own)."""
-        return await self.objects.release.remote(list(request_ids))
+        return await self.objects.release(list(request_ids))
 
     async def stats(self, reset_peak: bool = False) -> dict[str, int]:
         """Tensor bytes that reached the ingress (0 by design), its pid, resident memory in bytes
@@ -295,7 +295,7 @@ class RolloutGraph(HTTPFront):
         internal = {*stage.artifacts, *(n for o in outs.values() for n in o.artifacts)} - \
             set(requested)            # read by the graph's own stages only, all of them done
         if internal:
-            await self.objects.release.remote([rid], sorted(internal))
+            await self.objects.release([rid], sorted(internal))
         t_end = time.perf_counter()
         metrics = dict(stage.metrics)
         for out in outs.values():     # the decoders' own compute seconds

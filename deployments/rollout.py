@@ -20,8 +20,7 @@ from contract import (Condition, PolicyKind, PolicyVersionError, RequestLimits, 
                       StageOutput)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
-from deployments.objects import (TRAJECTORY, HolderSpec, ObjectKeeper,
-                                 get_object_holder)
+from deployments.objects import TRAJECTORY, HolderShards, HolderSpec, ObjectKeeper
 from deployments.policy_store import get_policy_store
 from rollout.config import RolloutConfig
 from rollout.strategy import DiffusionStrategy, build_strategy
@@ -77,8 +76,7 @@ class DiTRolloutServer:
         self.engine = strategy.engine
         self.store = get_policy_store(policy_store)
         self.metrics = StageMetrics("rollout")
-        self.objects = ObjectKeeper(holder=None if objects is None else
-                                    get_object_holder(objects))
+        self.objects = ObjectKeeper(holder=None if objects is None else HolderShards(objects))
         self._locks = KeyedLocks()                  # one per version being loaded
         self.load_seconds: dict[str, dict[str, float]] = {}   # version -> phase -> s
 
