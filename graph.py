@@ -97,15 +97,27 @@ def graph_replicas(config: GraphConfig) -> list[StageReplicas]:
     return out
 
 
+def routing_options(config: GraphConfig) -> dict[str, Any]:
+    """The request router of the stages a prompt group should stay on (encoder, rollout)."""
+    if not config.group_affinity:
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.routing import GroupAffinityRouter
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=GroupAffinityRouter)}
+
+
 def build_encoder(config: GraphConfig) -> Application:
     enc = config.encoder
-    return serve.deployment(TextEncoderServer, **encoder_options(config)).bind(
+    return serve.deployment(TextEncoderServer, **encoder_options(config),
+                            **routing_options(config)).bind(
         config.adapter, config.weights_path, enc.etp, enc.device, enc.dtype,
         config.adapter_options, enc.prompt_cache_bytes)
 
 
 def build_rollout(config: GraphConfig) -> Application:
-    opts = config.rollout_stage.deployment_options("DiTRollout")
+    opts = {**config.rollout_stage.deployment_options("DiTRollout"), **routing_options(config)}
     return serve.deployment(DiTRolloutServer, **opts).bind(config.rollout, config.policy_store,
                                                            config.limits,
                                                            config.object_holder)

@@ -270,6 +270,10 @@ class GraphConfig(Model):
     stage_wait_s: float = Field(60.0, gt=0, description="Longest a request waits for a replica "
                                 "of a stage to take it (none running: node lost, replicas "
                                 "restarting); then StageUnavailableError, 503, retryable.")
+    group_affinity: bool = Field(
+        True, description="Route the requests of one prompt group (one prompt's ids) to one "
+        "encoder and one rollout replica (deployments/routing.py), where they share the prompt "
+        "cache and batch together; false = Serve's default power-of-two-choices routing.")
 
     @property
     def reward_config(self) -> RewardConfig | None:

@@ -133,7 +133,8 @@ class DiTRolloutServer:
         return StageOutput(request_id=rid, artifacts=handles,
                            policy_version=out.policy_version, seeds=out.seeds,
                            stop_reason=out.stop_reason, trajectory=trajectory,
-                           metrics={**out.metrics, "rollout_stage_s": time.perf_counter() - t0},
+                           metrics={**out.metrics, "rollout_stage_s": time.perf_counter() - t0,
+                                    "rollout_replica_pid": float(os.getpid())},
                            encoded_token_ids=seen_token_ids(cond, negative),
                            sampling=self.strategy.family.sampling_as_run(request.sampling))
 
