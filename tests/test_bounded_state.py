@@ -131,3 +131,12 @@ def test_trainer_refuses_a_holder_ttl_shorter_than_its_steps():
                      GraphConfig(objects={"ttl_s": 400.0}))
     default = TrainerConfig(graph=GraphConfig())
     check_holder_ttl(default, default.graph_config())        # the defaults agree
+
+
+def test_trainer_sampler_noise_level_below_the_kinds_minimum_is_a_config_error():
+    """The trainer's sampler settings are refused at load, naming the field, instead of every
+    rollout request failing its SamplingSpec later."""
+    from trainer.config import load_trainer_config
+    with pytest.raises(ConfigError) as err:
+        load_trainer_config({"graph": GraphConfig(), "sampler": {"noise_level": 1e-40}})
+    assert "sampler" in err.value.field and "minimum" in err.value.message

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contract import Algorithm, ConfigError, SamplerKind, Task
+from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from trainer.algorithms import KLTarget, OldLogProbs, OldPolicySchedule, StdScope, TimestepOrder
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
@@ -69,6 +70,10 @@ class SamplerSettings(Model):
 
     @model_validator(mode="after")
     def _check(self) -> "SamplerSettings":
+        least = MIN_NOISE_LEVEL.get(self.sampler, 0.0)
+        if 0.0 < self.noise_level < least:
+            raise ValueError(f"noise_level {self.noise_level!r} is below the {self.sampler.value} "
+                             f"sampler's minimum {least} (float32 cannot carry its steps' noise)")
         if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
             raise ValueError(f"window {self.window} must satisfy 0 <= start < end <= "
                              f"num_steps={self.num_steps}")
