@@ -45,7 +45,7 @@ from rollout.engine_api import EngineRequest
 
 PROMPTS = ("a red circle on a wooden table", "two blue squares under a green sky")
 NEGATIVE = "blurry, low quality"
-GUIDANCE_PROBES = (0.5, 1.0)      # below 1 and 1; the parity test runs the family's scale > 1
+GUIDANCE_PROBES = (0.5, 1.0, "family")   # below 1, 1, and the family's own scale (> 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -352,13 +352,15 @@ class FamilyConformance:
 
     @pytest.mark.parametrize("scale", GUIDANCE_PROBES)
     def test_guidance_rule_is_the_pipelines(self, fam, root, engine, encoders, pipe, scale):
-        """At a scale below 1 and at 1 (the parity test runs one above): the pipeline's own
-        CFG decision is the rule's, the latents are the pipeline's from the same initial
-        latents, and the trajectory records the scale the rows ran at."""
+        """At a scale below 1, at 1 and above: the pipeline's own CFG decision is the rule's,
+        the latents are the pipeline's from the same initial latents, and the trajectory
+        records the scale the rows ran at."""
         from rollout.config import RolloutConfig
         from rollout.strategy import DiffusionStrategy
         rule = fam.spec.guidance
         assert rule.source, "a family names where its guidance rule comes from"
+        scale = self.guidance_scale if scale == "family" else scale
+        assert scale > 1 or scale in (0.5, 1.0)
         case = copy.copy(self)
         case.guidance_scale = scale
         sampling = case.sampling(seeds=(0,))

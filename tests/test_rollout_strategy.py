@@ -10,6 +10,7 @@ from adapters.tiny_t2i import TinyT2IFamily
 from contract import (InvalidRequestError, LimitExceededError, MediaInput, MediaRole, Modality,
                       PolicyVersionError, PromptBundle, RequestLimits, RolloutRequest,
                       SamplingSpec, StopReason, Task, UndeclaredArtifactError)
+from diffusion.step import doubles_rows
 from rollout.ar import ARStrategy
 from rollout.config import ARModelConfig, RolloutConfig, StrategyKind
 from rollout.strategy import STRATEGY_BUILDERS, DiffusionStrategy, build_strategy
@@ -40,7 +41,7 @@ def _generate(strategy, request):
     family = strategy.family
     cond = family.conditioner.encode(strategy.encoders, [request.prompt])
     negative = None
-    if request.sampling.guidance_scale != 1.0:
+    if doubles_rows(family.spec.guidance, request.sampling.guidance_scale):
         negative = family.conditioner.encode(strategy.encoders,
                                              [family.conditioner.unconditional(request.prompt)])
     return asyncio.run(strategy.generate(request, cond, negative))

@@ -176,7 +176,7 @@ class Learner:
         if not doubles_rows(self.family.spec.guidance, guidance_scale):
             uncond = None
         elif uncond is None:
-            raise ConfigError("guidance_scale != 1 needs the rows' unconditional condition",
+            raise ConfigError("rows the family's rule guides need their unconditional condition",
                               field="uncond", expected="Condition", actual=None)
         return Guidance.of(self.family.spec.guidance, [guidance_scale] * rows, uncond)
 

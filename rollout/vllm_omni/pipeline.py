@@ -43,7 +43,7 @@ def sample_request(family: ModelFamily, models: Mapping[str, nn.Module], samplin
     window = sampling.window
     guided = doubles_rows(family.spec.guidance, sampling.guidance_scale)
     if guided and negative is None:
-        raise InvalidRequestError("guidance_scale != 1 needs the negative condition",
+        raise InvalidRequestError("rows the family's rule guides need the negative condition",
                                   field="prompt.extra_args.negative_prompt", actual=None)
     if cond.rows != 1:
         raise InvalidRequestError("condition must hold one prompt", field="prompt.extra_args",
