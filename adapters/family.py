@@ -111,6 +111,12 @@ class FamilySpec:
     media_encoders: tuple[str, ...] = ()             # components that encode condition media
     sampling_defaults: Mapping[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.guidance, GuidanceRule):
+            raise TypeError(f"{self.name}: FamilySpec.guidance is the family's GuidanceRule "
+                            f"(diffusion.guidance: kind + when its pipeline runs CFG), not "
+                            f"{self.guidance!r}")
+
     @property
     def encoder_names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.encoders)
