@@ -27,6 +27,12 @@ MODEL_INDEX = "model_index.json"
 FIELD = "rollout.architecture"
 # keys of a component config that say how a file was saved, not what the model is
 SAVE_METADATA = frozenset({"architectures", "torch_dtype", "dtype", "transformers_version"})
+# a transformers config (it has a model_type) gains and loses save-time keys across library
+# versions: only the values that shape the model are compared
+TRANSFORMERS_SHAPE = frozenset({
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "projection_dim", "d_model", "d_ff", "d_kv",
+    "num_layers", "num_heads"})
 
 
 def names() -> tuple[str, ...]:
@@ -115,8 +121,9 @@ def _described_files(described: Path) -> list[Path]:
 
 def check_description(checkpoint: Path, described: Path, architecture: str) -> None:
     """The named architecture describes this checkpoint: the same pipeline class and, for every
-    value both hold, the same component configs (save metadata aside). A plan from a
-    description that is not the deployed model would be a plan for another model."""
+    value both hold, the same component configs (save metadata aside; of a transformers config
+    the values that shape the model). A plan from a description that is not the deployed model
+    would be a plan for another model."""
     for rel in _described_files(described):
         theirs = checkpoint / rel
         if not theirs.is_file():
@@ -124,6 +131,8 @@ def check_description(checkpoint: Path, described: Path, architecture: str) -> N
         ours, held = _read(described / rel), _read(theirs)
         for key in sorted(set(ours) & set(held)):
             if key.startswith("_") and key != "_class_name" or key in SAVE_METADATA:
+                continue
+            if "model_type" in ours and key not in TRANSFORMERS_SHAPE:
                 continue
             if ours[key] != held[key]:
                 where = rel.parent.as_posix() if rel.parent != Path(".") else rel.stem
