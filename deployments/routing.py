@@ -8,8 +8,10 @@ prompt-embedding cache, where random routing spreads them over every replica.
 Policy: rendezvous (highest-random-weight) hashing ranks the replicas for the group's key, so
 every caller (each ingress replica, each process) ranks them alike without sharing state, and a
 replica that joins or leaves moves only the groups it ranks first. The group's first replica
-takes its requests while it has room (fewer than its `max_ongoing_requests`); a full one passes
-the request to the next in the group's order, never to a wait. Calls without a prompt (version
+takes its requests while it has room; one the router knows to be full (its cached queue length
+at `max_ongoing_requests`) passes the request to the next in the group's order. A replica whose
+queue length is unknown or slow to probe counts as having room: it is waited for, never skipped,
+so a loaded machine does not scatter a group. Calls without a prompt (version
 loads, sleep, health) go to the least loaded replica. The cost: with few groups, replicas can be
 unevenly loaded (hashing balances in expectation, not per step).
 """
@@ -49,8 +51,8 @@ def rendezvous_order(key: bytes, replica_ids: Sequence[str]) -> list[str]:
 
 
 class GroupAffinityRouter(RequestRouter):
-    """Serve request router: a group's calls to its first replica in rendezvous order, one rank
-    per replica after it (Serve tries the ranks in order, skipping full replicas)."""
+    """Serve request router: a group's call to the first replica in its rendezvous order that
+    is not known to be full (Serve probes it and backs off until it takes the call)."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -61,4 +63,6 @@ class GroupAffinityRouter(RequestRouter):
         if key is None:
             return [list(candidate_replicas)]          # the least loaded of them all
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        return [[by_id[i]] for i in rendezvous_order(key, list(by_id))]
+        ordered = [by_id[i] for i in rendezvous_order(key, list(by_id))]
+        room = {r.replica_id for r in self.select_available_replicas(ordered)}
+        return [[next((r for r in ordered if r.replica_id in room), ordered[0])]]
