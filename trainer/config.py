@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from contract import Algorithm, ConfigError, SamplerKind, Task
 from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
-from trainer.algorithms import KLTarget, OldLogProbs, OldPolicySchedule, StdScope, TimestepOrder
+from trainer.algorithms import (KLTarget, OldLogProbs, OldPolicySchedule, PolicyRatio, StdScope,
+                                TimestepOrder)
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
 from trainer.datasets import DatasetFormat
 from trainer.learner_config import LearnerConfig, check_recipe
@@ -125,6 +126,20 @@ class FlowGRPOConfig(Model):
         OldLogProbs.ROLLOUT, description="rollout: rows the learner's old policy sampled keep "
         "their stored rollout log-probs, others are recomputed; recompute: every row's old "
         "log-prob is recomputed by the learner (one extra forward per trained step).")
+    ratio: PolicyRatio = Field(
+        PolicyRatio.FLOW_GRPO, description="flow_grpo: exp(log p - log p_old); grpo_guard: "
+        "GRPO-Guard's ratio, normalised by the step's std with the drift of the transition mean "
+        "added (one extra no-grad forward per trained step for the old policy's mean).")
+    guard_reweight: bool = Field(
+        True, description="grpo_guard: divide each step's loss by sigma - sigma_next (verl-omni; "
+        "false: Flow-Factory's unweighted loss). Only with ratio: grpo_guard.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FlowGRPOConfig":
+        if self.ratio is not PolicyRatio.GRPO_GUARD and not self.guard_reweight:
+            raise ValueError(f"guard_reweight=False applies only to ratio: grpo_guard, not "
+                             f"ratio: {self.ratio.value}")
+        return self
 
 
 class DPOConfig(Model):
@@ -256,6 +271,10 @@ class TrainerConfig(Model):
                 self.nft.train_timesteps > self.sampler.num_steps:
             raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "
                              f"{self.sampler.num_steps} rollout steps a permutation can visit")
+        if self.flow_grpo.ratio is PolicyRatio.GRPO_GUARD and \
+                self.algorithm is not Algorithm.FLOW_GRPO:
+            raise ValueError("flow_grpo.ratio=grpo_guard is FlowGRPO's ratio: algorithm must be "
+                             f"flow_grpo, not {self.algorithm.value}")
         if self.algorithm is Algorithm.DPO and self.advantage.zero_advantage is not None:
             raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
                              "(best, worst) pair per group and a tied group has none")

@@ -25,7 +25,8 @@ from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_i
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 trainable_step_indices, transition_kl, velocity_kl,
                                 zero_advantage_groups, zero_advantage_rows, KLTarget,
-                                REFERENCE_ZERO_ADVANTAGE, reusable_rows, rollout_old_log_probs)
+                                REFERENCE_ZERO_ADVANTAGE, PolicyRatio, grpo_guard_loss,
+                                reusable_rows, rollout_old_log_probs)
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -257,8 +258,9 @@ def _grpo_units(batch: Batch, size: int | None) -> list[tuple[int, torch.Tensor]
 def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int, torch.Tensor],
               weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
     """Clipped surrogate on the stored fp32 window transitions of one micro-batch of a window
-    group (old log-probs as `OldLogProbs` says); each row weighs 1 / total spread over its own window's
-    trained steps, so the loss is the mean over rows of the mean over that row's steps."""
+    group (old log-probs as `OldLogProbs` says, the ratio as `PolicyRatio` says); each row weighs
+    1 / total spread over its own window's trained steps, so the loss is the mean over rows of the
+    mean over that row's steps."""
     c, dev = cfg.flow_grpo, learner.device
     group, part = unit
     group_rows, traj = batch.window_groups[group]
@@ -272,18 +274,20 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
     inputs = {k: v[rows] for k, v in batch.inputs.items()}
     versions = [batch.versions[i] for i in rows.tolist()]
     reuse = reusable_rows(c.old_log_probs, versions, plan.old_version).to(dev)
+    guard = c.ratio is PolicyRatio.GRPO_GUARD   # needs the old policy's mean: one more forward
     sums["trained_window_steps"] = sums.get("trained_window_steps", 0.0) + weight * len(steps)
     for j in steps:
         sigma = _on(traj.sigmas[j].expand(rows.shape[0]), dev)
         x_j = traj.latents[:, j - start]
-        old = traj.log_probs[:, j - start]
-        if reuse.all():
+        old, old_mean = traj.log_probs[:, j - start], None
+        if reuse.all() and not guard:
             old = rollout_old_log_probs(old, versions, plan.old_version)
         else:                 # the pre-step weights are the old policy: run_update steps last
             with torch.no_grad():
                 v_old = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT,
                                          traj.guidance_scale, uncond, inputs)
-            old = torch.where(reuse, old, recompute_step(traj, j, v_old).log_prob)
+            old_step = recompute_step(traj, j, v_old)
+            old, old_mean = torch.where(reuse, old, old_step.log_prob), old_step.mean
         v = learner.velocity(x_j, sigma, cond, PolicyRole.CURRENT, traj.guidance_scale,
                              uncond, inputs)
         out = recompute_step(traj, j, v)
@@ -296,9 +300,15 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
                 kl = velocity_kl(v, v_ref)
             else:
                 kl = transition_kl(out, recompute_step(traj, j, v_ref))
-        loss = flow_grpo_loss(out.log_prob, old, a,
-                              clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
-                              kl_beta=c.kl_beta)
+        if guard:
+            loss = grpo_guard_loss(out.log_prob, old, out.mean, old_mean, a, out.std_dev_t,
+                                   out.sqrt_dt, clip_range=c.clip_range,
+                                   adv_clip_max=c.adv_clip_max, reweight=c.guard_reweight,
+                                   kl=kl, kl_beta=c.kl_beta)
+        else:
+            loss = flow_grpo_loss(out.log_prob, old, a,
+                                  clip_range=c.clip_range, adv_clip_max=c.adv_clip_max, kl=kl,
+                                  kl_beta=c.kl_beta)
         (loss.loss * (weight / len(steps))).backward()
         _add(sums, loss.metrics(), weight / len(steps))
 

@@ -1,4 +1,5 @@
-"""Pure, typed RL losses for flow-matching models: FlowGRPO, DiffusionNFT, Diffusion-DPO."""
+"""Pure, typed RL losses for flow-matching models: FlowGRPO (+ GRPO-Guard), DiffusionNFT,
+Diffusion-DPO."""
 from contract.enums import Algorithm
 from trainer.algorithms.advantages import (REFERENCE_ZERO_ADVANTAGE, AdvantageMode,
                                            PreferencePairs, StdScope, ZeroAdvantageRule,
@@ -12,6 +13,7 @@ from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, OldLogProbs, W
                                           rollout_old_log_probs, sde_mean_kl,
                                           trainable_step_indices, transition_kl, velocity_kl,
                                           window_step)
+from trainer.algorithms.grpo_guard import PolicyRatio, grpo_guard_loss, guard_ratio
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, ema_update,
                                   nft_loss, nft_timestep_indices, old_decay)
 
@@ -24,6 +26,7 @@ __all__ = [
     "reusable_rows", "rollout_old_log_probs", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
     "transition_kl", "velocity_kl",
-    "window_step", "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",
+    "window_step", "PolicyRatio", "grpo_guard_loss", "guard_ratio",
+    "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",
     "nft_timestep_indices", "old_decay",
 ]
