@@ -279,6 +279,26 @@ def test_http_bad_input_is_4xx_with_field(graph, ray_cluster, body, status, fiel
     assert payload["error"]["type"] and payload["error"]["message"]
 
 
+@pytest.mark.parametrize("path, headers, status, field", [
+    ("/rollout", {"Content-Type": "text/plain"}, 415, "content-type"),
+    ("/rollout", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "content-type"),
+    ("/rollout", {"Content-Type": "application/json", "Host": "rebound.example:80"}, 421,
+     "host"),
+    ("/anything/rollout", {"Content-Type": "application/json"}, 404, "path"),
+])
+def test_http_browser_reachable_requests_are_refused_through_serve(graph, ray_cluster, path,
+                                                                   headers, status, field):
+    """Through Serve's proxy (its headers and route prefix as the replica sees them): a form or
+    text POST, a rebound Host, a path that only ends like a route -- refused, never run."""
+    req = urllib.request.Request(f"http://127.0.0.1:{ray_cluster['http_port']}{PREFIX}{path}",
+                                 data=json.dumps({"prompts": [CAPTION], "num_steps": 2}).encode(),
+                                 method="POST", headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=120)
+    assert refused.value.code == status
+    assert json.loads(refused.value.read())["error"]["field"] == field
+
+
 def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_cluster):
     """Each oversized body once to warm the path (Serve's body delivery and the allocator's
     first growth), then 3 of each from a reset peak: the ingress's peak RSS over them stays
