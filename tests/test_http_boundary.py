@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import tracemalloc
 
 import pytest
@@ -153,6 +154,25 @@ def test_a_key_flood_is_refused_without_an_error_per_key(front, where):
     assert peak < 16 * len(body), (peak, len(body))
     status, answer, reached = call(front, _case(body=body))
     assert status == error.http_status and not reached, answer
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop(front, monkeypatch):
+    """The body's parse and its prompts' tokenization (work that grows with the body) run in a
+    worker thread, not on the event loop every other request of the replica waits on."""
+    import deployments.http as http_face
+    threads: dict[str, threading.Thread] = {}
+
+    def recorded(name, function):
+        def run(*args, **kwargs):
+            threads[name] = threading.current_thread()
+            return function(*args, **kwargs)
+        return run
+    monkeypatch.setattr(http_face, "parse_rollout_body",
+                        recorded("parse", http_face.parse_rollout_body))
+    monkeypatch.setattr(GateOnly, "_from_http", recorded("tokenize", GateOnly._from_http))
+    status, answer, reached = call(front, _case())     # asyncio.run: the loop is this thread
+    assert reached and set(threads) == {"parse", "tokenize"}, answer
+    assert all(t is not threading.current_thread() for t in threads.values()), threads
 
 
 def test_the_key_cap_is_the_field_count():
