@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench serve clean
+.PHONY: setup test test-all demo bench serve clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,15 +19,23 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# The default suite shares one local Ray cluster; the `network` suite needs the package index
-# (skipped offline); the `cluster` suite starts its own two-node cluster on loopback, so it runs
-# in a pytest process of its own; the `integration` suite starts each shipped Serve config on fresh
-# 2-CPU local clusters (`serve run` subprocesses).
+# Two tiers (README "Development"). `make test`, the default tier: unit and in-process tests plus
+# the smoke graph on one shared local Ray cluster; `-ra` (pyproject) lists the skips by reason.
+# `make test-all`, the integration tier, each part in its own pytest process: every other test
+# that needs the Ray cluster (deployed graphs, faults, autoscaling, ETP, the trainer against a
+# graph, Ray Train; tests/conftest.py marks them `integration`), the shipped Serve configs on
+# fresh clusters, the `network` tests (need the package index; skipped offline) and the
+# `cluster` tests (their own two-node cluster on loopback). Exit status 5 = no test selected.
+PYTEST := $(BIN)/python -m pytest -q
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
-	$(BIN)/python -m pytest -q --durations=10 -m network
-	$(BIN)/python -m pytest -q --durations=10 -m cluster tests/test_cluster.py
-	$(BIN)/python -m pytest -q --durations=10 -m integration
+	$(PYTEST) --durations=25
+
+test-all: $(STAMP)
+	$(PYTEST) --durations=25 -m 'integration and not network and not cluster' \
+		--ignore=tests/test_serve_configs.py || [ $$? -eq 5 ]
+	$(PYTEST) --durations=10 -m integration tests/test_serve_configs.py || [ $$? -eq 5 ]
+	$(PYTEST) --durations=10 -m network || [ $$? -eq 5 ]
+	$(PYTEST) --durations=10 -m cluster tests/test_cluster.py || [ $$? -eq 5 ]
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer.demo

@@ -43,3 +43,25 @@ def ray_cluster():
     # runtime_resources; Ray leaves it behind, so repeated runs would fill the disk. Logs stay.
     shutil.rmtree(os.path.join(context.address_info["session_dir"], "runtime_resources"),
                   ignore_errors=True)
+
+
+# ---- tiers ----------------------------------------------------------------------------------
+# Default tier (`make test`): unit and in-process tests, plus the smoke graph (test_graph.py's
+# tiny_t2i graph through handles and HTTP) and the object keeper on the shared cluster.
+# Integration tier (`make test-all`, marker `integration`): every other test that needs the
+# Ray cluster -- deployed graphs, faults, autoscaling, ETP shard workers, the trainer against a
+# graph, Ray Train -- and the smoke graph's slow checks below.
+DEFAULT_TIER_CLUSTER_MODULES = ("test_graph.py", "test_objects.py")
+SLOW_SMOKE_GRAPH_TESTS = ("test_http_fuzz_answers_2xx_or_4xx_and_every_replica_survives",
+                          "test_replica_over_its_memory_bound_is_the_only_one_replaced",
+                          "test_oversized_requests_are_refused_without_growing_the_ingress")
+
+
+@pytest.hookimpl(tryfirst=True)       # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.name
+        if "ray_cluster" in item.fixturenames and (
+                module not in DEFAULT_TIER_CLUSTER_MODULES or
+                item.originalname in SLOW_SMOKE_GRAPH_TESTS):
+            item.add_marker(pytest.mark.integration)
