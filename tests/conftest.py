@@ -61,7 +61,7 @@ SLOW_SMOKE_GRAPH_TESTS = ("test_http_fuzz_answers_2xx_or_4xx_and_every_replica_s
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.path.name
-        if "ray_cluster" in item.fixturenames and (
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and (
                 module not in DEFAULT_TIER_CLUSTER_MODULES or
-                item.originalname in SLOW_SMOKE_GRAPH_TESTS):
+                getattr(item, "originalname", item.name) in SLOW_SMOKE_GRAPH_TESTS):
             item.add_marker(pytest.mark.integration)
