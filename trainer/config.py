@@ -14,9 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from contract import Algorithm, ConfigError, SamplerKind, Task
+from contract import Algorithm, ConfigError, InvalidRequestError, SamplerKind, Task
 from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
+from diffusion.windows import sliding_sde_window, sliding_window_exhausted
 from trainer.algorithms import (KLTarget, OldLogProbs, OldPolicySchedule, PolicyRatio, StdScope,
                                 TimestepOrder)
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
@@ -43,6 +44,19 @@ class PromptSource(str, Enum):
     CLIPS = "clips"      # synthetic/clips.py captions, disjoint seed ranges
 
 
+class SlidingWindow(Model):
+    """MixGRPO: one SDE window for every prompt of an optimizer step, ODE outside it, sliding
+    from the first step by `stride` every `shift_every` steps (diffusion.sliding_sde_window)."""
+
+    size: int = Field(4, ge=1, description="SDE steps in the window (MixGRPO's group_size).")
+    shift_every: int = Field(25, ge=1, description="Optimizer steps before the window moves "
+                             "(MixGRPO's iters_per_group).")
+    stride: int | None = Field(None, ge=1, description="Steps the window moves; None = size "
+                               "(no overlap; MixGRPO's prog_overlap_step when overlapping).")
+    roll_back: bool = Field(False, description="Past the last trainable step, start again at "
+                            "step 0 (false: the run may not outlast the window).")
+
+
 class SamplerSettings(Model):
     """How rollouts are sampled (SamplingSpec fields the trainer chooses)."""
 
@@ -56,6 +70,9 @@ class SamplerSettings(Model):
         "start per prompt group (ODE elsewhere; only those steps are trained).")
     window_range: tuple[int, int] | None = Field(
         None, description="[lo, hi) the random windows lie in; None = (0, num_steps // 2).")
+    sliding_window: SlidingWindow | None = Field(
+        None, description="MixGRPO's sliding SDE window (one per optimizer step); exclusive "
+        "with window and window_size.")
     guidance_scale: float = Field(1.0, ge=0.0)
     height: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
     width: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
@@ -88,6 +105,16 @@ class SamplerSettings(Model):
                                  f"{self.num_steps - 1} (the step into sigma 0 is not trained)")
         elif self.window_range is not None:
             raise ValueError("window_range needs window_size")
+        if self.sliding_window is not None:
+            if self.window is not None or self.window_size is not None:
+                raise ValueError("give one of window, window_size, sliding_window")
+            w = self.sliding_window
+            try:
+                sliding_sde_window(0, self.num_steps, w.size, w.shift_every, w.stride,
+                                   w.roll_back)
+            except InvalidRequestError as exc:
+                raise ValueError(f"sliding_window.{exc.field}={exc.actual!r} at num_steps="
+                                 f"{self.num_steps}: {exc}") from None
         return self
 
     @property
@@ -278,6 +305,14 @@ class TrainerConfig(Model):
         if self.algorithm is Algorithm.DPO and self.advantage.zero_advantage is not None:
             raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
                              "(best, worst) pair per group and a tied group has none")
+        w = self.sampler.sliding_window
+        if w is not None:
+            empty = sliding_window_exhausted(self.sampler.num_steps, w.size, w.shift_every,
+                                             w.stride, w.roll_back)
+            if empty is not None and empty < self.steps:
+                raise ValueError(f"sampler.sliding_window has no step left at optimizer step "
+                                 f"{empty} of steps={self.steps}: set roll_back, a larger "
+                                 f"shift_every or fewer steps")
         check_recipe(self)
         return self
 

@@ -132,7 +132,8 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         requests = make_requests(self.family, batch.bundles, cfg.sampler, cfg.samples_per_prompt,
                                  seed=(cfg.seed * 100_003 + k) * 1000,
                                  version=version or self.sampling_versions[-1],
-                                 metadata=batch.metadata, media=batch.media, task=cfg.task)
+                                 metadata=batch.metadata, media=batch.media, task=cfg.task,
+                                 step=k)
         return Pending(k, batch.bundles, requests, self.client.submit(requests),
                        time.perf_counter(), batch.data_state)
 

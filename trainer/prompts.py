@@ -16,7 +16,7 @@ from adapters.family import ModelFamily
 from contract import (PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec,
                       Task)
 from diffusion.samplers import DETERMINISTIC
-from diffusion.windows import sample_sde_window
+from diffusion.windows import sample_sde_window, sliding_sde_window
 from trainer.config import PromptSource, SamplerSettings
 
 EVAL_SEED_OFFSET = 1_000_000   # clips have no split: held-out prompts come from far-away seeds
@@ -37,10 +37,16 @@ def latent_names(adapter: ModelFamily) -> tuple[str, ...]:
                  if s.representation == Representation.LATENT)
 
 
-def request_window(settings: SamplerSettings, seed: int, index: int) -> tuple[int, int] | None:
-    """The SDE window of request `index`: the fixed one, or under Flow-GRPO-Fast (window_size)
+def request_window(settings: SamplerSettings, seed: int, index: int,
+                   step: int = 0) -> tuple[int, int] | None:
+    """The SDE window of request `index`: the fixed one, under Flow-GRPO-Fast (window_size)
     one drawn for the whole prompt group from a generator seeded by (seed, index), so every row
-    of a group shares it and a resumed run draws the same one."""
+    of a group shares it and a resumed run draws the same one; under MixGRPO (sliding_window)
+    optimizer step `step`'s window, shared by every request of the step."""
+    if settings.sliding_window is not None:
+        w = settings.sliding_window
+        return sliding_sde_window(step, settings.num_steps, w.size, w.shift_every, w.stride,
+                                  w.roll_back)
     if settings.window_size is None:
         return settings.window
     rng = random.Random(seed * 1_000_003 + index)
@@ -52,17 +58,17 @@ def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
                   sampler: SamplerKind | None = None, num_steps: int | None = None,
                   metadata: Sequence[dict] | None = None, media: Sequence | None = None,
-                  task: Task | None = None) -> list[RolloutRequest]:
+                  task: Task | None = None, step: int = 0) -> list[RolloutRequest]:
     """One request per prompt, `group` rows each with seeds seed + i*group + j; metadata[i]
     (handed to the scorers) and media[i] (condition media) per prompt when given; `task`
-    (None = the family's first)."""
+    (None = the family's first); `step`: the optimizer step sampled for (sliding windows)."""
     kind = sampler or settings.sampler
     out = []
     for i, bundle in enumerate(bundles):
         sampling = SamplingSpec(
             sampler=kind, num_steps=num_steps or settings.num_steps,
             noise_level=0.0 if kind in DETERMINISTIC else settings.noise_level,
-            sde_window=None if kind in DETERMINISTIC else request_window(settings, seed, i),
+            sde_window=None if kind in DETERMINISTIC else request_window(settings, seed, i, step),
             guidance_scale=settings.guidance_scale,
             seeds=tuple(seed + i * group + j for j in range(group)),
             **settings.media_shape(dict(adapter.spec.sampling_defaults)))
