@@ -1,11 +1,12 @@
 """Pure, typed RL losses for flow-matching models: FlowGRPO (+ GRPO-Guard), DiffusionNFT,
-Diffusion-DPO."""
+Diffusion-DPO, AWM."""
 from contract.enums import Algorithm
 from trainer.algorithms.advantages import (REFERENCE_ZERO_ADVANTAGE, AdvantageMode,
                                            PreferencePairs, StdScope, ZeroAdvantageRule,
                                            best_worst_pairs, group_advantages, group_index,
                                            optimality_probability, per_reward_advantages,
                                            zero_advantage_groups, zero_advantage_rows)
+from trainer.algorithms.awm import AWMWeighting, awm_log_prob, awm_loss
 from trainer.algorithms.dpo import (DPOLoss, DPOPairInputs, dpo_loss, dpo_pair_inputs,
                                     sample_pair_sigmas)
 from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, OldLogProbs, WindowStep,
@@ -21,7 +22,8 @@ __all__ = [
     "Algorithm", "AdvantageMode", "PreferencePairs", "StdScope", "best_worst_pairs",
     "group_advantages", "group_index", "optimality_probability", "per_reward_advantages",
     "zero_advantage_groups", "zero_advantage_rows", "ZeroAdvantageRule",
-    "REFERENCE_ZERO_ADVANTAGE", "DPOLoss", "DPOPairInputs", "dpo_loss",
+    "REFERENCE_ZERO_ADVANTAGE", "AWMWeighting", "awm_log_prob", "awm_loss", "DPOLoss",
+    "DPOPairInputs", "dpo_loss",
     "dpo_pair_inputs", "sample_pair_sigmas", "FlowGRPOLoss", "KLTarget", "OldLogProbs",
     "reusable_rows", "rollout_old_log_probs", "WindowStep",
     "flow_grpo_loss", "recompute_step", "sde_mean_kl", "trainable_step_indices",
