@@ -36,7 +36,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import ray
 
 from contract import ArtifactHandle, MediaArtifact
 
@@ -192,6 +191,8 @@ class HolderShards:
 def get_object_holder(spec: HolderSpec | str, create: bool = True) -> Any:
     """The named holder actor (created detached on the head node when missing, with the spec's
     bounds; one already running takes them too, so a redeployed graph's bounds hold)."""
+    import ray                       # here, not at module level: GraphConfig reads this module
+
     spec = spec if isinstance(spec, HolderSpec) else HolderSpec(spec)
     if not create:
         return ray.get_actor(spec.name, namespace=NAMESPACE)
@@ -216,6 +217,8 @@ class ObjectKeeper:
         self._pending: dict[str | None, list[tuple[str | None, Any]]] = {}
 
     def put(self, value: Any, request_id: str | None = None, name: str | None = None) -> Any:
+        import ray
+
         ref = ray.put(value)
         if self.holder is None:
             self.local.add(request_id, name, [ref])
