@@ -142,28 +142,6 @@ def test_async_rollout_equals_the_sync_one_and_releases(graph, adapter):
     assert torch.equal(async_.artifacts["image"].data, sync.artifacts["image"].data)
 
 
-def test_a_failed_call_releases_the_outputs_of_its_other_requests(graph, adapter):
-    """One request of a call fails (an unknown policy version) while the other completes: the
-    call raises, and nothing either made stays held (before: the completed request's outputs
-    stayed pinned until the holder's TTL, no caller ever releasing them)."""
-    import ray
-
-    from deployments.client import RolloutClient
-    from deployments.objects import get_object_holder, holder_name
-    holder = get_object_holder(holder_name(APP), create=False)
-    before = ray.get(holder.count.remote())
-    ok = make_request(adapter, "a red circle at the top left on a black background")
-    bad = make_request(adapter, "a blue square in the center on a white background",
-                       policy_version="no-such-version")
-    with pytest.raises(PolicyVersionError) as err:
-        graph.rollout.remote([ok, bad]).result()
-    assert err.value.actual == "no-such-version"
-    # a full round trip after it (the completed request's stages are done by then either way)
-    RolloutClient(graph).rollout([make_request(
-        adapter, "a green triangle at the bottom right on a black background")])
-    assert ray.get(holder.count.remote()) == before
-
-
 def test_ingress_never_holds_tensor_bytes(graph, adapter):
     from deployments.ingress import tensor_bytes
     results: list[GraphResult] = graph.rollout.remote(
