@@ -109,32 +109,6 @@ class MethodNotAllowedError(InvalidRequestError):
     http_status = 405
 
 
-class FieldValidationError(InvalidRequestError):
-    """A field of an HTTP body has the wrong type or value (pydantic's first error, named)."""
-    http_status = 422
-
-
-class UnsupportedMediaTypeError(InvalidRequestError):
-    """An HTTP body whose Content-Type is not application/json (a browser's form or text POST
-    needs no CORS preflight; a JSON one does)."""
-    http_status = 415
-
-
-class MisdirectedRequestError(InvalidRequestError):
-    """An HTTP request whose Host is not one the service answers (DNS rebinding)."""
-    http_status = 421
-
-
-class NotFoundError(InvalidRequestError):
-    """An HTTP path the service does not serve (routes match exactly)."""
-    http_status = 404
-
-
-class MethodNotAllowedError(InvalidRequestError):
-    """A served HTTP path asked with another method."""
-    http_status = 405
-
-
 class NonFiniteError(InvalidRequestError):
     """A tensor holds NaN or Inf."""
 
