@@ -59,6 +59,10 @@ class GroupAffinityRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Serve retries a full replica at once unless told to back off: without this the
+            # process's one router thread spins and starves every other deployment's probes.
+            pending_request.routing_context.should_backoff = True
         key = None if pending_request is None else request_group(pending_request.args)
         if key is None:
             return [list(candidate_replicas)]          # the least loaded of them all
