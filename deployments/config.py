@@ -271,9 +271,10 @@ class GraphConfig(Model):
                                 "of a stage to take it (none running: node lost, replicas "
                                 "restarting); then StageUnavailableError, 503, retryable.")
     group_affinity: bool = Field(
-        True, description="Route the requests of one prompt group (one prompt's ids) to one "
+        False, description="Route the requests of one prompt group (one prompt's ids) to one "
         "encoder and one rollout replica (deployments/routing.py), where they share the prompt "
-        "cache and batch together; false = Serve's default power-of-two-choices routing.")
+        "cache and batch together. Off by default: with it on, a trainer's rollouts through the "
+        "full graph were seen to stall; false = Serve's default power-of-two-choices routing.")
 
     @property
     def reward_config(self) -> RewardConfig | None:

@@ -43,9 +43,9 @@ def test_the_graph_routes_encoder_and_rollout_by_group():
     from deployments.config import load_graph_config
     from deployments.routing import GroupAffinityRouter
     from graph import routing_options
-    router = routing_options(load_graph_config({}))["request_router_config"]
+    router = routing_options(load_graph_config({"group_affinity": True}))["request_router_config"]
     assert router.get_request_router_class() is GroupAffinityRouter
-    assert routing_options(load_graph_config({"group_affinity": False})) == {}
+    assert routing_options(load_graph_config({})) == {}          # opt-in: Serve's default
 
 
 def test_a_groups_requests_land_on_its_replica(ray_cluster):
@@ -60,7 +60,7 @@ def test_a_groups_requests_land_on_its_replica(ray_cluster):
 
     config = {"app_name": APP, "rollout": {"adapter": "tiny_t2i"},
               "rollout_stage": {"num_cpus": 0.25, "num_replicas": 2},
-              "policy_store": "affinity_test_store"}
+              "policy_store": "affinity_test_store", "group_affinity": True}
     from deployments.config import load_graph_config
     handle = serve.run(build_rollout(load_graph_config(config)), name=APP,
                        route_prefix=f"/{APP}")
