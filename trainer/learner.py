@@ -172,7 +172,12 @@ class Learner:
 
     def guidance(self, rows: int, guidance_scale: float,
                  uncond: Condition | None) -> Guidance:
-        """The rollout's guidance for `rows` rows at `guidance_scale` (decided once)."""
+        """The rollout's guidance for `rows` rows at `guidance_scale` (decided once). Scale 1
+        without an unconditional condition is the conditional branch alone (the guidance-free
+        velocity NFT and DPO train), even where the rule guides other streams at 1 (LTX-2's
+        audio scale)."""
+        if guidance_scale == 1.0 and uncond is None:
+            return Guidance.conditional(self.family.spec.guidance, rows)
         if not doubles_rows(self.family.spec.guidance, guidance_scale):
             uncond = None
         elif uncond is None:
