@@ -200,6 +200,16 @@ class FlowGRPOLoss:
                 ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio_mean")}
 
 
+def check_clip_options(clip_range: float, adv_clip_max: float, kl_beta: float) -> None:
+    """The clipped objective's options (FlowGRPO and GRPO-Guard alike)."""
+    if clip_range <= 0:
+        raise ConfigError("clip_range must be > 0", field="clip_range", actual=clip_range)
+    if adv_clip_max <= 0:
+        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
+    if kl_beta < 0:
+        raise ConfigError("kl_beta must be >= 0", field="kl_beta", actual=kl_beta)
+
+
 def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                    *, clip_range: float, adv_clip_max: float, kl: torch.Tensor | None = None,
                    kl_beta: float = 0.0) -> FlowGRPOLoss:
@@ -214,12 +224,7 @@ def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
         advantages: (B,) group advantages.
         kl: per-sample KL, same shape as log_prob (from sde_mean_kl / velocity_kl), or None.
     """
-    if clip_range <= 0:
-        raise ConfigError("clip_range must be > 0", field="clip_range", actual=clip_range)
-    if adv_clip_max <= 0:
-        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
-    if kl_beta < 0:
-        raise ConfigError("kl_beta must be >= 0", field="kl_beta", actual=kl_beta)
+    check_clip_options(clip_range, adv_clip_max, kl_beta)
     if log_prob.shape != old_log_prob.shape:
         raise InvalidRequestError("log_prob and old_log_prob differ in shape", field="old_log_prob",
                                   expected=tuple(log_prob.shape), actual=tuple(old_log_prob.shape))

@@ -22,7 +22,7 @@ from enum import Enum
 import torch
 
 from contract import ConfigError, InvalidRequestError, NonFiniteError
-from trainer.algorithms.flow_grpo import FlowGRPOLoss
+from trainer.algorithms.flow_grpo import FlowGRPOLoss, check_clip_options
 
 
 class PolicyRatio(str, Enum):
@@ -75,12 +75,7 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: to
 
     std_dev_t, sqrt_dt: (B,) as `StepOutput` returns them; kl: (B,) or None.
     """
-    if clip_range <= 0:
-        raise ConfigError("clip_range must be > 0", field="clip_range", actual=clip_range)
-    if adv_clip_max <= 0:
-        raise ConfigError("adv_clip_max must be > 0", field="adv_clip_max", actual=adv_clip_max)
-    if kl_beta < 0:
-        raise ConfigError("kl_beta must be >= 0", field="kl_beta", actual=kl_beta)
+    check_clip_options(clip_range, adv_clip_max, kl_beta)
     if kl_beta > 0 and kl is None:
         raise ConfigError("kl_beta > 0 needs a KL tensor", field="kl", expected="tensor",
                           actual=None)
