@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, AsyncIterator, Sequence
 
 from pydantic import ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo
 from pydantic import field_validator, model_validator
@@ -189,6 +189,22 @@ def _check_json_number(value: Any, field: str) -> None:
 
 def _limits(info: ValidationInfo) -> RequestLimits | None:
     return (info.context or {}).get("limits")
+
+
+async def read_bounded_body(declared: int | None, chunks: AsyncIterator[bytes],
+                            bound: int) -> bytearray:
+    """An HTTP body, refused by its declared Content-Length or as soon as it passes `bound`
+    streaming in, so an oversized body is never held whole; one buffer, no joined copy."""
+    if declared is not None and declared > bound:
+        raise LimitExceededError("request body too large", field="body",
+                                 expected=f"<= {bound} bytes", actual=declared)
+    body = bytearray()
+    async for chunk in chunks:
+        if len(body) + len(chunk) > bound:
+            raise LimitExceededError("request body too large", field="body",
+                                     expected=f"<= {bound} bytes", actual=f"> {bound}")
+        body += chunk
+    return body
 
 
 def parse_rollout_body(body: bytes | bytearray, limits: RequestLimits) -> HTTPRolloutRequest:

@@ -19,11 +19,12 @@ from ray.exceptions import RayTaskError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from contract import (GraphResult, InvalidRequestError, LimitExceededError, MalformedBodyError,
+from contract import (GraphResult, InvalidRequestError, MalformedBodyError,
                       RolloutError, RolloutRequest, SamplingSpec)
 from contract.errors import (MethodNotAllowedError, MisdirectedRequestError, NotFoundError,
                              UnsupportedMediaTypeError)
-from contract.http import HTTPRolloutRequest, error_field, first_error, parse_rollout_body
+from contract.http import (HTTPRolloutRequest, error_field, first_error, parse_rollout_body,
+                           read_bounded_body)
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,23 +70,15 @@ class HTTPFront:
             return JSONResponse(error.to_dict(), status_code=error.http_status)
 
     async def _read_body(self, http: Request) -> bytearray:
-        """The body, refused as soon as it passes max_body_bytes (by its Content-Length, or while
-        it streams in), so an oversized body is never held whole; one buffer, no joined copy."""
+        """The body within max_body_bytes (contract.http.read_bounded_body); a Content-Length
+        that is not a byte count is refused first."""
         bound = self.config.limits.max_body_bytes
         declared = http.headers.get("content-length")
         if declared is not None and not declared.strip().isdecimal():
             raise MalformedBodyError("Content-Length is not a byte count", field="content-length",
                                      actual=declared[:40])
-        if declared is not None and int(declared) > bound:
-            raise LimitExceededError("request body too large", field="body",
-                                     expected=f"<= {bound} bytes", actual=int(declared))
-        body = bytearray()
-        async for chunk in http.stream():
-            if len(body) + len(chunk) > bound:
-                raise LimitExceededError("request body too large", field="body",
-                                         expected=f"<= {bound} bytes", actual=f"> {bound}")
-            body += chunk
-        return body
+        return await read_bounded_body(None if declared is None else int(declared),
+                                       http.stream(), bound)
 
     def _from_http(self, payload: HTTPRolloutRequest) -> list[RolloutRequest]:
         """Sizes are already bounded (parse_rollout_body); the task is checked before the

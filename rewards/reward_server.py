@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from contract import InvalidRequestError, LimitExceededError, MalformedBodyError, RolloutError
+from contract import InvalidRequestError, MalformedBodyError, RolloutError
 from contract.errors import UnsupportedMediaTypeError
+from contract.http import read_bounded_body
 from rewards.base import Scorer, ScoreRequest
 from rewards.http_client import strict_json
 from rewards.remote_protocol import ScoreBody, decode_body, output_json
@@ -102,18 +103,11 @@ def _check_json_type(request: Request) -> None:
 
 
 async def _read_bounded(request: Request, bound: int) -> bytes:
-    """The body, refused by its Content-Length or as soon as it passes `bound` streaming in."""
+    """The body within `bound` (contract.http.read_bounded_body); a Content-Length that is not
+    a byte count is left to the stream's own bound."""
     declared = request.headers.get("content-length", "")
-    if declared.strip().isdecimal() and int(declared) > bound:
-        raise LimitExceededError("request body too large", field="body",
-                                 expected=f"<= {bound} bytes", actual=int(declared))
-    body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > bound:
-            raise LimitExceededError("request body too large", field="body",
-                                     expected=f"<= {bound} bytes", actual=f"> {bound}")
-        body += chunk
-    return bytes(body)
+    return bytes(await read_bounded_body(
+        int(declared) if declared.strip().isdecimal() else None, request.stream(), bound))
 
 
 def _error(status: int, kind: str, field: str, message: str) -> JSONResponse:
