@@ -9,7 +9,9 @@ Stages (one Ray Serve deployment each, resources/autoscaling from config):
     Decoder_*    deployments/decoder.py   one per latent kind (image/video VAE, audio VAE)
     Scorer_*     deployments/scorer.py    one per scorer family (rewards/)
     RolloutGraph deployments/ingress.py   validation, DAG of DeploymentResponses, HTTP
-LoRA versions come from the policy store actor (deployments/policy_store.py).
+LoRA versions come from the policy store actor (deployments/policy_store.py). Which deployments a
+config has and their Serve options: deployments/topology.py (shared with the planner and the
+cluster manifests). `app` is bound on first use: importing this module builds nothing.
 """
 from __future__ import annotations
 
@@ -19,82 +21,20 @@ from typing import Any, Sequence
 from ray import serve
 from ray.serve import Application
 
-from adapters.architectures import Declaration, declare
-from contract import Representation
 from contract.cli import error_line, user_errors
 from deployments.config import GraphConfig, load_graph_config
 from deployments.decoder import DecoderServer
 from deployments.encoder import TextEncoderServer
 from deployments.ingress import RolloutGraph
 from deployments.objects import get_object_holder, holder_name, shard_name
-from deployments.placement import (StageDemand, StageReplicas, check_graph_fits,
-                                   check_placement, demand_from_options, head_actor,
-                                   into_bundles, live_nodes, replica_counts)
-from deployments.policy_store import HEAD_NODE, get_policy_store
+from deployments.placement import check_graph_fits, check_placement, live_nodes
+from deployments.policy_store import get_policy_store
 from deployments.rollout import DiTRolloutServer
 from deployments.scorer import ScorerServer
+from deployments.topology import (declared_family, decoded_latents, encoder_options,
+                                  graph_replicas)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_t2i.yaml"
-
-
-def encoder_options(config: GraphConfig) -> dict[str, Any]:
-    opts = config.encoder.deployment_options("TextEncoder")
-    enc = config.encoder
-    opts.update(TextEncoderServer.deployment_options(
-        enc.etp, enc.num_cpus_per_shard, enc.num_cpus, enc.num_gpus, enc.num_gpus_per_shard,
-        enc.device, enc.memory_bytes, enc.memory_bytes_per_shard))
-    return into_bundles(opts)          # custom resources / labels onto the ETP group's bundles
-
-
-def declared_family(config: GraphConfig) -> Declaration:
-    """What the config's family declares, from its checkpoint's JSON files on this machine or,
-    where the checkpoint is only on the cluster, from `rollout.architecture`'s description
-    (adapters/architectures): the graph is built and planned without its weights; each stage
-    loads them on its node (a missing path is its ConfigError there)."""
-    return declare(config.adapter, config.weights_path, config.adapter_options,
-                   config.rollout.architecture)
-
-
-def decoded_latents(config: GraphConfig) -> list[str]:
-    """Latent kinds with a decoded artifact: one Decoder deployment each."""
-    io_spec = declared_family(config).spec.io_spec
-    return sorted({a.source for a in io_spec.artifacts
-                   if a.representation == Representation.DECODED})
-
-
-def stage_options(config: GraphConfig, latents: Sequence[str] | None = None
-                  ) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Deployment name -> (its config field, its Serve options): the one derivation the build_*
-    functions, the placement check, the planner and the cluster manifests use. `latents`: the
-    decoded latent kinds, when the caller states them instead of reading the checkpoint (a
-    plan for a checkpoint this machine does not hold)."""
-    out = {"TextEncoder": ("encoder", encoder_options(config)),
-           "DiTRollout": ("rollout_stage",
-                          config.rollout_stage.deployment_options("DiTRollout"))}
-    for latent in (decoded_latents(config) if latents is None else latents):
-        name = f"Decoder_{latent}"
-        out[name] = ("decoder", config.decoder.deployment_options(name))
-    for i, spec in enumerate(config.scorers):
-        name = f"Scorer_{spec.name}"
-        out[name] = (f"scorers[{i}].stage", spec.stage.deployment_options(name))
-    out["RolloutGraph"] = ("ingress", config.ingress.deployment_options("RolloutGraph"))
-    return out
-
-
-def stage_demands(config: GraphConfig) -> list[StageDemand]:
-    """One replica's resources and label selector per deployment."""
-    return [demand_from_options(field, opts) for field, opts in stage_options(config).values()]
-
-
-def graph_replicas(config: GraphConfig) -> list[StageReplicas]:
-    """Everything the deployed graph asks the cluster for: each deployment's replica demand with
-    its starting and maximum replica counts, and the two detached actors on the head node."""
-    out = [StageReplicas(demand_from_options(field, opts), *replica_counts(opts))
-           for field, opts in stage_options(config).values()]
-    for field, name, count in (("policy_store", "PolicyStore", 1),
-                               ("app_name", "ObjectHolder", config.objects.shards)):
-        out.append(StageReplicas(head_actor(field, name, HEAD_NODE), count, count))
-    return out
 
 
 def routing_options(config: GraphConfig) -> dict[str, Any]:
@@ -163,9 +103,21 @@ def bind_graph(config: GraphConfig) -> Application:
                         build_decoders(config), build_scorers(config))
 
 
-# `serve run graph:app` imports this before it connects; importing graph inside a cluster (a
-# Serve config's `graph:build_app`) must not check the default graph against it
-app = bind_graph(load_graph_config(DEFAULT_CONFIG))
+_default_app: Application | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """`graph.app` (`serve run graph:app`): the embedded default graph, bound on first use.
+    Importing this module builds nothing; `serve run` reads `app` before it connects, so the
+    default graph is not checked against a cluster here (build_app does that)."""
+    global _default_app
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _default_app is None:
+        _default_app = bind_graph(load_graph_config(DEFAULT_CONFIG))
+    return _default_app
+
+
 DELETE_TIMEOUT_S = 60.0     # delete_graph: for Ray to finish killing the two detached actors
 
 

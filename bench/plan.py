@@ -108,7 +108,7 @@ def stage_costs(config, costs: Mapping[str, Any], latents: Sequence[str] | None 
     file does not cover (or covers with a non-positive time). `latents`: the decoders, when
     the checkpoint that lists them is not on this machine; `skip`: stage keys left out on
     purpose (the caller says why)."""
-    from graph import stage_options
+    from deployments.topology import stage_options
     device = costs.get("device_kind", "GPU")
     per_request = float(costs.get("samples_per_request", 1))
     out = []
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("samples per step must be positive", field="--samples-per-step",
                           expected=">= 1", actual=args.samples_per_step)
     costs = load_costs(args.costs or default_costs(config))
-    from graph import declared_family
+    from deployments.topology import declared_family
     note = "" if args.decoders is not None else declared_family(config).source.note
     stages = stage_costs(config, costs, args.decoders)
     if learner is None:

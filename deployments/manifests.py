@@ -107,7 +107,7 @@ def max_replicas(options: dict[str, Any]) -> int:
 def check_cluster(config: GraphConfig, spec: ClusterSpec) -> dict[str, list[str]]:
     """One replica of every stage fits some node, and every stage at its maximum replica count
     fits the groups at theirs (plus the policy store on the head). Returns node -> stages."""
-    from graph import stage_options
+    from deployments.topology import stage_options
     options = stage_options(config)
     demands = [(_demand(field, opts), max_replicas(opts)) for field, opts in options.values()]
     nodes = node_shapes(spec)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_graph_config(args.graph)
     placed = check_cluster(config, load_cluster_spec(args.cluster))
     print(json.dumps({node: len(stages) for node, stages in placed.items()}))
-    from graph import declared_family
+    from deployments.topology import declared_family
     note = declared_family(config).source.note
     if note:
         print(f"model: {note}")

@@ -112,7 +112,8 @@ def test_the_stage_that_loads_the_weights_refuses_the_missing_path():
     typed error the checkpoint reader raises."""
     from deployments.config import load_graph_config
     from deployments.decoder import DecoderServer
-    from graph import build_app, stage_options
+    from deployments.topology import stage_options
+    from graph import build_app
     config = load_graph_config(GPU_EXAMPLE)
     assert not Path(config.weights_path).exists()
     build_app(config)
@@ -152,7 +153,7 @@ def _check_rayservice(path: Path, config: Path) -> None:
     Serve options fit a node of the group it selects, every stage at its maximum fits."""
     from deployments.config import load_graph_config
     from deployments.manifests import check_cluster, load_cluster_spec, max_replicas
-    from graph import stage_options
+    from deployments.topology import stage_options
     from trainer.config import load_trainer_config
     graph = load_trainer_config(config).graph_config() if config == TRAIN_SD35 else \
         load_graph_config(config)

@@ -75,7 +75,7 @@ def test_deployment_options_derive_placement():
     assert gpu["placement_group_bundles"][1:] == [{"CPU": 1.0, "GPU": 1.0}] * 2
     # memory bounds from the graph config: the replica's bundle and each shard's
     from deployments.config import load_graph_config
-    from graph import encoder_options
+    from deployments.topology import encoder_options
     config = load_graph_config({"rollout": {"adapter": "tiny_t2i"}, "encoder": {
         "etp": 2, "memory_mib": 1024, "memory_mib_per_shard": 512}})
     bundles = encoder_options(config)["placement_group_bundles"]

@@ -34,7 +34,7 @@ def test_checked_in_manifests_are_the_rendered_ones(rendered):
 
 
 def test_manifests_match_the_graph_config(rendered):
-    from graph import stage_options
+    from deployments.topology import stage_options
     service = yaml.safe_load(rendered["kuberay/rayservice.yaml"])
     serve_cfg = yaml.safe_load(service["spec"]["serveConfigV2"])
     embedded = load_graph_config(serve_cfg["applications"][0]["args"])
@@ -152,7 +152,7 @@ def test_stage_placement_fields_are_validated_and_mapped():
             load_graph_config(dict(base, rollout_stage=bad))
         assert e.value.field == field
     # the ETP encoder: custom resources join bundle 0, the selector applies to every bundle
-    from graph import encoder_options
+    from deployments.topology import encoder_options
     enc = load_graph_config(dict(base, encoder={"etp": 2, "resources": {"enc": 0.5},
                                                 "node_labels": {LABEL_KEY: "encoder"}}))
     opts = encoder_options(enc)

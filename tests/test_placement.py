@@ -186,7 +186,7 @@ def test_a_shipped_config_counts_every_deployment_and_actor():
     rollout autoscales 1..2), the ingress, the two head actors; on one 2-CPU node it deploys and
     warns that its second rollout replica never could."""
     from deployments.config import load_graph_config
-    from graph import graph_replicas
+    from deployments.topology import graph_replicas
     counted = {r.demand.deployment: r for r in graph_replicas(
         load_graph_config(ROOT / "configs" / "tiny_t2i.yaml"))}
     assert set(counted) == {"TextEncoder", "DiTRollout", "Decoder_image_latent",
