@@ -20,11 +20,11 @@ from pydantic import field_validator, model_validator
 from contract.enums import SamplerKind, Task
 from contract.errors import (FieldValidationError, InvalidRequestError, LimitExceededError,
                              MalformedBodyError)
-from contract.request import MAX_SEED, FrozenModel, RequestLimits
+from contract.request import MAX_METADATA_CHARS, MAX_SEED, FrozenModel, RequestLimits
+from contract.request import check_json_number as _check_json_number
 
 MAX_NAME_CHARS = 128      # an artifact name or a policy version
 MAX_METADATA_KEYS = 16    # entries of one prompt's metadata object
-MAX_METADATA_CHARS = 1024  # characters of one metadata key or string value
 JSON_DEPTH_LIMIT = 200    # pydantic-core's JSON parser refuses deeper nesting (a valid body has 2)
 
 # HTTP field -> the RequestLimits bound it is checked against (value <= bound)
@@ -167,24 +167,6 @@ class HTTPRolloutRequest(FrozenModel):
                                       field="seed", expected=f"<= {MAX_SEED - (last - self.seed)}",
                                       actual=self.seed)
         return self
-
-
-INT64 = (-2**63, 2**63 - 1)
-
-
-def _check_json_number(value: Any, field: str) -> None:
-    """A JSON number as every peer reads it: finite (no NaN / Infinity literal, no 1e400 that
-    parses to inf) and, for an integer, within 64 bits (a bigger one is rounded or refused by
-    other parsers). As parsed, before any conversion could hide it."""
-    if isinstance(value, bool):
-        return
-    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
-        raise InvalidRequestError("integer outside 64 bits", field=field,
-                                  expected="an integer in [-2**63, 2**63)",
-                                  actual=f"{value.bit_length()}-bit integer")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequestError("number is not finite", field=field,
-                                  expected="a finite number", actual=repr(value))
 
 
 def _limits(info: ValidationInfo) -> RequestLimits | None:

@@ -6,6 +6,7 @@ Token ids travel from the dataset to the encoder unchanged: nothing here decodes
 """
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -21,6 +22,10 @@ from contract.errors import (ConflictingInputError, DuplicateInputError, Invalid
 
 MAX_SEED = 2**64 - 1            # row seeds are 64-bit generator seeds (diffusion/noise.py)
 MAX_REQUEST_ID_CHARS = 128
+INT64 = (-2**63, 2**63 - 1)
+MAX_METADATA_CHARS = 1024   # characters of one metadata key or string value
+MAX_METADATA_ITEMS = 256    # keys and list entries of one request's metadata, nested included
+MAX_METADATA_DEPTH = 4      # nesting of objects / lists (GenEval's record has 3)
 # The smallest noise_level each stochastic sampler kind takes. A step's transition std is about
 # noise_level * 1e-2 at the small steps of a 100-step schedule; below 1e-4 that is under float32's
 # resolution of a unit-scale latent (the recorded sample stops carrying its noise), and far below
@@ -237,6 +242,72 @@ class RolloutRequest:
                 raise InvalidRequestError("wrong type", field=name, expected=expected,
                                           actual=type(getattr(self, name)).__name__,
                                           request_id=rid)
+        check_metadata(self.metadata, request_id=rid)
+
+
+def check_json_number(value: Any, field: str, request_id: str | None = None) -> None:
+    """A JSON number as every peer reads it: finite (no NaN / Infinity, no 1e400 that parses to
+    inf) and, for an integer, within 64 bits (a bigger one is rounded or refused by other
+    parsers). As parsed, before any conversion could hide it."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise InvalidRequestError("integer outside 64 bits", field=field,
+                                  expected="an integer in [-2**63, 2**63)",
+                                  actual=f"{value.bit_length()}-bit integer", request_id=request_id)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequestError("number is not finite", field=field,
+                                  expected="a finite number", actual=repr(value),
+                                  request_id=request_id)
+
+
+def check_metadata(metadata: Mapping[str, Any], field: str = "metadata",
+                   request_id: str | None = None) -> None:
+    """A request's metadata is JSON a peer can read back: objects with string keys, lists,
+    strings, booleans, null and strict numbers (check_json_number), bounded in string length,
+    item count and depth. The same rule for the handle API, HTTP and prompt files."""
+    count = 0
+
+    def walk(value: Any, where: str, depth: int) -> None:
+        nonlocal count
+        if isinstance(value, np.generic):         # a column read from parquet / numpy
+            value = value.item()
+        if isinstance(value, str):
+            if len(value) > MAX_METADATA_CHARS:
+                raise LimitExceededError("metadata string too long", field=where,
+                                         expected=f"<= {MAX_METADATA_CHARS} characters",
+                                         actual=len(value), request_id=request_id)
+            return
+        if value is None or isinstance(value, (bool, int, float)):
+            check_json_number(value, where, request_id)
+            return
+        if isinstance(value, (Mapping, list, tuple)):
+            if depth >= MAX_METADATA_DEPTH:
+                raise LimitExceededError("metadata nested too deep", field=where,
+                                         expected=f"<= {MAX_METADATA_DEPTH} levels",
+                                         actual=depth + 1, request_id=request_id)
+            count += len(value)
+            if count > MAX_METADATA_ITEMS:
+                raise LimitExceededError("metadata has too many entries", field=field,
+                                         expected=f"<= {MAX_METADATA_ITEMS} keys and items",
+                                         actual=f"> {MAX_METADATA_ITEMS}", request_id=request_id)
+            if isinstance(value, Mapping):
+                for key, item in value.items():
+                    if not isinstance(key, str) or not 0 < len(key) <= MAX_METADATA_CHARS:
+                        raise InvalidRequestError(
+                            "metadata keys are strings of 1.."
+                            f"{MAX_METADATA_CHARS} characters", field=where,
+                            actual=repr(key)[:60], request_id=request_id)
+                    walk(item, f"{where}.{key}", depth + 1)
+            else:
+                for i, item in enumerate(value):
+                    walk(item, f"{where}[{i}]", depth + 1)
+            return
+        raise InvalidRequestError("metadata values are JSON: objects, lists, strings, numbers, "
+                                  "booleans or null", field=where, actual=type(value).__name__,
+                                  request_id=request_id)
+
+    walk(metadata, field, 0)
 
 
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role

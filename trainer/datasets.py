@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from contract import DatasetError, MediaInput, MediaRole, Modality
+from contract import DatasetError, MediaInput, MediaRole, Modality, RolloutError
+from contract.request import check_metadata
 
 
 class DatasetFormat(str, Enum):
@@ -224,7 +225,7 @@ def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> P
                 isinstance(o, Mapping) and isinstance(o.get("class"), str) for o in include):
             raise DatasetError("GenEval record needs 'tag' and 'include': [{'class', 'count'}]",
                                field=source, expected="GenEval metadata", actual=dict(raw))
-        return PromptRecord(prompt.strip(), source, metadata=dict(raw))
+        return PromptRecord(prompt.strip(), source, metadata=_checked_metadata(raw, source))
     unknown = sorted(set(raw) - set(RECORD_KEYS))
     if unknown:
         raise DatasetError(f"unknown keys {unknown} (put extra fields under 'metadata'; GenEval "
@@ -253,7 +254,19 @@ def _record(raw: Mapping[str, Any], source: str, base: Path, geneval: bool) -> P
         path = _confined(value, base, source)
         (_check_image if modality is Modality.IMAGE else _check_video)(path, source)
         media[key] = path
-    return PromptRecord(prompt.strip(), source, negative, dict(metadata), media)
+    return PromptRecord(prompt.strip(), source, negative, _checked_metadata(metadata, source),
+                        media)
+
+
+def _checked_metadata(metadata: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The record's metadata under the request rule (contract check_metadata: strict numbers,
+    bounded strings, entries and depth), refused here naming the line, not later per request."""
+    try:
+        check_metadata(metadata)
+    except RolloutError as exc:
+        raise DatasetError(f"metadata: {exc.message}", field=f"{source} {exc.field}",
+                           expected=exc.expected, actual=exc.actual) from None
+    return dict(metadata)
 
 
 def _read_text(path: Path) -> str:
