@@ -111,6 +111,7 @@ class Algorithm(str, Enum):
     NFT = "nft"              # DiffusionNFT (forward-process, old-policy rollouts)
     FLOW_GRPO = "flow_grpo"  # clipped surrogate on SDE transition log-probs
     DPO = "dpo"              # Diffusion-DPO on (best, worst) pairs per prompt
+    AWM = "awm"              # advantage-weighted matching (flow-matching loss in the clip)
 
 
 class PolicyKind(str, Enum):

@@ -18,8 +18,8 @@ from contract import Algorithm, ConfigError, InvalidRequestError, SamplerKind, T
 from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from diffusion.windows import sliding_sde_window, sliding_window_exhausted
-from trainer.algorithms import (KLTarget, OldLogProbs, OldPolicySchedule, PolicyRatio, StdScope,
-                                TimestepOrder)
+from trainer.algorithms import (AWMWeighting, KLTarget, OldLogProbs, OldPolicySchedule,
+                                PolicyRatio, StdScope, TimestepOrder)
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
 from trainer.datasets import DatasetFormat
 from trainer.learner_config import LearnerConfig, check_recipe
@@ -169,6 +169,31 @@ class FlowGRPOConfig(Model):
         return self
 
 
+class AWMConfig(Model):
+    """Advantage-weighted matching (trainer/algorithms/awm.py): per row, train_timesteps draws
+    (sigma from the rollout's schedule, fresh eps) of the flow-matching error as the log-prob in
+    FlowGRPO's clipped surrogate; the old policy is the pre-step weights (Flow-Factory's
+    AWMTrainer: discrete timesteps, clip 1e-4, advantages clipped to 5, velocity KL)."""
+
+    clip_range: float = Field(1e-4, gt=0)
+    adv_clip_max: float = Field(5.0, gt=0)
+    weighting: AWMWeighting = AWMWeighting.UNIFORM
+    ghuber_power: float = Field(0.25, gt=0, description="weighting: ghuber only.")
+    kl_beta: float = Field(0.0, ge=0, description="Velocity KL to the base model.")
+    train_timesteps: int = Field(4, ge=1, description="Draws per row per step.")
+    timesteps: TimestepOrder = Field(
+        TimestepOrder.PERMUTATION, description="permutation: distinct schedule steps per row "
+        "(Flow-Factory's discrete sampling); uniform: i.i.d. steps.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AWMConfig":
+        if self.weighting is not AWMWeighting.GHUBER and \
+                self.ghuber_power != AWMConfig.model_fields["ghuber_power"].default:
+            raise ValueError(f"ghuber_power applies only to weighting: ghuber, not weighting: "
+                             f"{self.weighting.value}")
+        return self
+
+
 class DPOConfig(Model):
     beta: float = Field(100.0, gt=0)
     draws_per_pair: int = Field(4, ge=1, description="(sigma, eps) draws per pair per step.")
@@ -276,6 +301,7 @@ class TrainerConfig(Model):
     nft: NFTConfig = Field(default_factory=NFTConfig)
     flow_grpo: FlowGRPOConfig = Field(default_factory=FlowGRPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    awm: AWMConfig = Field(default_factory=AWMConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
@@ -297,6 +323,10 @@ class TrainerConfig(Model):
         if self.nft.timesteps is TimestepOrder.PERMUTATION and \
                 self.nft.train_timesteps > self.sampler.num_steps:
             raise ValueError(f"nft.train_timesteps={self.nft.train_timesteps} exceeds the "
+                             f"{self.sampler.num_steps} rollout steps a permutation can visit")
+        if self.algorithm is Algorithm.AWM and self.awm.timesteps is TimestepOrder.PERMUTATION \
+                and self.awm.train_timesteps > self.sampler.num_steps:
+            raise ValueError(f"awm.train_timesteps={self.awm.train_timesteps} exceeds the "
                              f"{self.sampler.num_steps} rollout steps a permutation can visit")
         if self.flow_grpo.ratio is PolicyRatio.GRPO_GUARD and \
                 self.algorithm is not Algorithm.FLOW_GRPO:

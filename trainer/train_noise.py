@@ -26,6 +26,8 @@ class Draw(IntEnum):
     NFT_NOISE = 1          # eps of training draw k
     DPO_SIGMA = 2          # the pair's noise level of draw k
     DPO_NOISE = 3          # the pair's eps of draw k
+    AWM_TIMESTEPS = 4      # the schedule steps a row's AWM draws are at (all draws at once)
+    AWM_NOISE = 5          # eps of AWM draw k
 
 
 def _seed(noise_seed: int, row: int, draw: Draw, index: int) -> int:
@@ -54,10 +56,10 @@ def row_randn(noise_seed: int, row_seeds: Sequence[int], draw: Draw, index: int,
 
 
 def row_timesteps(noise_seed: int, row_seeds: Sequence[int], num_steps: int, draws: int,
-                  order: TimestepOrder) -> torch.Tensor:
+                  order: TimestepOrder, stream: Draw = Draw.NFT_TIMESTEPS) -> torch.Tensor:
     """(draws, B) int64 indices into the rollout's steps, row b's column from its stream."""
     return torch.cat([nft_timestep_indices(1, num_steps, draws, order, row_generator(
-        noise_seed, row, Draw.NFT_TIMESTEPS, 0)) for row in _rows(row_seeds)], dim=1)
+        noise_seed, row, stream, 0)) for row in _rows(row_seeds)], dim=1)
 
 
 def pair_sigmas(noise_seed: int, row_seeds: Sequence[int], index: int,

@@ -20,7 +20,8 @@ from typing import Callable, Mapping
 import torch
 
 from contract import Algorithm, InvalidRequestError, PolicyVersionError
-from trainer.algorithms import (StdScope, best_worst_pairs, dpo_loss, dpo_pair_inputs,
+from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pairs, dpo_loss,
+                                dpo_pair_inputs,
                                 flow_grpo_loss, group_advantages, nft_loss,
                                 optimality_probability, per_reward_advantages, recompute_step,
                                 trainable_step_indices, transition_kl, velocity_kl,
@@ -108,7 +109,8 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
                           {"dpo_pairs": float(pairs.num_pairs)})
     if algorithm is Algorithm.FLOW_GRPO and not batch.window_groups:
         raise InvalidRequestError("flow_grpo needs stored trajectories", field="trajectory")
-    clip = cfg.nft.adv_clip_max if algorithm is Algorithm.NFT else cfg.flow_grpo.adv_clip_max
+    clip = {Algorithm.NFT: cfg.nft.adv_clip_max, Algorithm.AWM: cfg.awm.adv_clip_max}.get(
+        algorithm, cfg.flow_grpo.adv_clip_max)
     kept, adv, metrics = advantages(algorithm, batch, cfg, clip)                       # (B,)
     if kept is None:        # every row left out: no signal, no step (counted, not faked)
         return UpdatePlan(algorithm, None, None, 0, noise_seed,
@@ -117,6 +119,8 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
         values = optimality_probability(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)    # (B,)
         metrics |= {"nft_r_mean": float(values.mean()),
                     "nft_r_abs_dev": float((values - 0.5).abs().mean())}
+    elif algorithm is Algorithm.AWM:
+        values = adv
     else:
         values = adv
         metrics["window_groups"] = float(len(kept.window_groups))
@@ -320,6 +324,49 @@ def grpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
     return run_update(learner, plan_update(Algorithm.FLOW_GRPO, batch, cfg, gen), cfg)
 
 
+# ---- AWM ------------------------------------------------------------------------------------
+def _awm_run(learner: Learner, batch: Batch, adv_all: torch.Tensor, rows: torch.Tensor,
+             weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
+    """Advantage-weighted matching on `rows`: per draw k, sigma at a schedule step and fresh
+    eps from each row's stream; log p_old by the pre-step weights (no grad), log p and the
+    clipped surrogate by the current ones; loss weight rows / total per draw / train_timesteps."""
+    c, dev = cfg.awm, learner.device
+    sub = batch.select(rows)
+    sigmas = learner.family.sigmas(batch.sampling) if batch.sigmas is None else batch.sigmas
+    sigmas = sigmas[:-1]
+    x0, a = _on(sub.x0, dev), _on(adv_all[rows], dev)                                 # (b,)
+    held = None if batch.frozen_mask is None else _on(batch.frozen_mask, dev)
+    order = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), c.train_timesteps,
+                          c.timesteps, Draw.AWM_TIMESTEPS)                            # (T, b)
+    for k in range(c.train_timesteps):
+        sigma = _on(sigmas[order[k]], dev)                                                # (b,)
+        eps = row_randn(plan.noise_seed, sub.seeds, Draw.AWM_NOISE, k, x0.shape[1:], dev)
+        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+        x_sigma = (1 - s) * x0 + s * eps
+        if held is not None:             # condition entries stay clean, as in the rollout
+            x_sigma = torch.where(held, x0, x_sigma)
+        with torch.no_grad():            # the pre-step weights are the old policy
+            v_old = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.CURRENT,
+                                     media=sub.inputs)
+            old = awm_log_prob(v_old, x0, eps, sigma, c.weighting, c.ghuber_power)
+            v_ref = (learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.REFERENCE,
+                                      media=sub.inputs) if c.kl_beta > 0 else None)
+        v = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.CURRENT, media=sub.inputs)
+        out = awm_loss(v, old, x0, eps, sigma, a, clip_range=c.clip_range,
+                       adv_clip_max=c.adv_clip_max, weighting=c.weighting,
+                       ghuber_power=c.ghuber_power,
+                       kl=None if v_ref is None else velocity_kl(v, v_ref), kl_beta=c.kl_beta)
+        (out.loss * (weight / c.train_timesteps)).backward()
+        _add(sums, out.metrics(), weight / c.train_timesteps)
+
+
+def awm_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
+               gen: torch.Generator) -> dict[str, float]:
+    """AWM: advantages, the weighted matching error of fresh forward-process draws in the
+    clipped surrogate, one optimizer step."""
+    return run_update(learner, plan_update(Algorithm.AWM, batch, cfg, gen), cfg)
+
+
 # ---- Diffusion-DPO --------------------------------------------------------------------------
 def _dpo_units(batch: Batch, size: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(winner rows, loser rows) per micro-batch of pairs (size rows = size // 2 pairs)."""
@@ -364,12 +411,15 @@ def dpo_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
 
 
 UNITS: dict[Algorithm, Callable[[Batch, int | None], list]] = {
-    Algorithm.NFT: _nft_units, Algorithm.FLOW_GRPO: _grpo_units, Algorithm.DPO: _dpo_units}
-RUNS = {Algorithm.NFT: _nft_run, Algorithm.FLOW_GRPO: _grpo_run, Algorithm.DPO: _dpo_run}
+    Algorithm.NFT: _nft_units, Algorithm.FLOW_GRPO: _grpo_units, Algorithm.DPO: _dpo_units,
+    Algorithm.AWM: _nft_units}
+RUNS = {Algorithm.NFT: _nft_run, Algorithm.FLOW_GRPO: _grpo_run, Algorithm.DPO: _dpo_run,
+        Algorithm.AWM: _awm_run}
 
 UPDATES: dict[Algorithm, Callable[[Learner, Batch, TrainerConfig, torch.Generator],
                                   dict[str, float]]] = {
     Algorithm.NFT: nft_update,
     Algorithm.FLOW_GRPO: grpo_update,
     Algorithm.DPO: dpo_update,
+    Algorithm.AWM: awm_update,
 }

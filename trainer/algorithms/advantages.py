@@ -181,7 +181,8 @@ class ZeroAdvantageRule(str, Enum):
 # divides their number of micro-batches: not done here, micro-batches take any row count).
 # (DPO trains (best, worst) pairs: tied groups yield none, as Diffusion-DPO drops ties.)
 REFERENCE_ZERO_ADVANTAGE = {Algorithm.NFT: ZeroAdvantageRule.KEEP,
-                            Algorithm.FLOW_GRPO: ZeroAdvantageRule.ROWS}
+                            Algorithm.FLOW_GRPO: ZeroAdvantageRule.ROWS,
+                            Algorithm.AWM: ZeroAdvantageRule.KEEP}
 
 
 def zero_advantage_rows(advantages: torch.Tensor, group_ids: Sequence[Hashable],
