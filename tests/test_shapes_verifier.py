@@ -132,3 +132,30 @@ def test_scorer_refuses_latents_and_bad_prompts():
     assert err.value.field.startswith("image_attributes.prompts[1]")
     with pytest.raises(InvalidRequestError):
         _score(images, ["a red circle in the center on a black background"])
+
+
+def test_total_is_the_mean_of_the_targeted_attributes():
+    """`attributes` picks what `total` (the reward) averages; every attribute is still reported.
+    A wrong colour on a correct render: 0 on colour, ~1 elsewhere, so the total says which
+    attributes it covers."""
+    from contract import ConfigError
+    from rewards.registry import ScorerSpec, build_scorer
+    spec = ImageSpec(Shape.SQUARE, Color.RED, Position.CENTER, Background.WHITE)
+    wrong_colour = dataclasses.replace(spec, color=Color.BLUE)
+    images = render_batch([spec])
+    request = ScoreRequest({"image": MediaArtifact(IMAGE, images)}, (caption(wrong_colour),))
+    every = ImageAttributeScorer().score(request).scores
+    targeted = build_scorer(ScorerSpec.model_validate(
+        {"kind": "image_attributes", "params": {"attributes": ["color", "shape"]}})
+    ).score(request).scores
+    assert every["color"][0] < 0.01 and min(every[a][0] for a in ("shape", "position",
+                                                                  "background")) > 0.95
+    assert every["total"][0] == pytest.approx(sum(every[a][0] for a in (
+        "color", "shape", "position", "background")) / 4)
+    assert targeted["total"][0] == pytest.approx((every["color"][0] + every["shape"][0]) / 2)
+    assert {k: v for k, v in targeted.items() if k != "total"} == \
+        {k: v for k, v in every.items() if k != "total"}
+    for bad in (["colour"], [], ["shape", "shape"], "shape"):
+        with pytest.raises(ConfigError) as err:
+            ImageAttributeScorer(attributes=bad)
+        assert err.value.field == "image_attributes.params.attributes"

@@ -11,7 +11,7 @@ Per image (uint8 (3, H, W)) and its caption:
 Soft score of the prompted class = softmax(-d^2 / tau) over the class prototypes, so an exact
 render scores ~1 and a different class ~0. An image with no foreground pixels has no shape:
 color/shape/position score 0 (a real verdict about the image, not a failure substitute).
-total (primary) = mean of the four.
+total (primary) = mean of the attributes the scorer targets (`attributes`; default all four).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contract import (InvalidRequestError, Modality, ScorerOutput, ScoreStatus,
+from contract import (ConfigError, InvalidRequestError, Modality, ScorerOutput, ScoreStatus,
                       UnscorableInputError)
 from rewards.base import ScoreRequest
 from rewards.media import require_decoded
@@ -29,7 +29,8 @@ from synthetic.shapes import (BACKGROUND_RGB, BACKGROUNDS, COLOR_RGB, COLORS, PO
 
 FOREGROUND_DISTANCE = 60.0      # RGB L2; palette foreground/background pairs are >= 120 apart
 MIN_FOREGROUND_FRACTION = 0.01  # fewer foreground pixels than this = no shape drawn
-SCORE_NAMES = ("color", "shape", "position", "background", "total")
+ATTRIBUTES = ("color", "shape", "position", "background")
+SCORE_NAMES = (*ATTRIBUTES, "total")
 
 # Shape features (fill ratio of bbox, lower-half mass fraction) of the ideal shapes.
 SHAPE_PROTOTYPES: dict[Shape, tuple[float, float]] = {
@@ -91,8 +92,10 @@ def analyze(image: torch.Tensor) -> ImageAnalysis:
                          fill, lower_mass)
 
 
-def score_image(image: torch.Tensor, spec: ImageSpec) -> dict[str, float]:
-    """Named scores in [0, 1] of one uint8 (3, H, W) image against the attributes of `spec`."""
+def score_image(image: torch.Tensor, spec: ImageSpec,
+                attributes: tuple[str, ...] = ATTRIBUTES) -> dict[str, float]:
+    """Named scores in [0, 1] of one uint8 (3, H, W) image against the attributes of `spec`;
+    total = the mean of `attributes`."""
     a = analyze(image)
     bg_palette = torch.tensor([BACKGROUND_RGB[b] for b in BACKGROUNDS], dtype=torch.float32)
     scores = {"background": _soft_match(torch.tensor(a.background_rgb), bg_palette,
@@ -109,22 +112,31 @@ def score_image(image: torch.Tensor, spec: ImageSpec) -> dict[str, float]:
                                          POSITIONS.index(spec.position), TAU_POSITION)
         scores["shape"] = _soft_match(torch.tensor([a.fill_ratio, a.lower_mass]), shape_protos,
                                       SHAPES.index(spec.shape), TAU_SHAPE)
-    scores["total"] = (scores["color"] + scores["shape"] + scores["position"]
-                       + scores["background"]) / 4
+    scores["total"] = sum(scores[name] for name in attributes) / len(attributes)
     return scores
 
 
 class ImageAttributeScorer:
     """Scorer protocol: decoded `image` artifact + shape captions -> color/shape/position/
-    background/total scores. A caption outside the vocabulary is the client's input the scorer
+    background/total scores; total = the mean of `attributes` (the ones the reward targets; all
+    four are still reported). A caption outside the vocabulary is the client's input the scorer
     cannot read: UnscorableInputError, from `check_prompt` (the ingress runs it first) or
     `score`."""
 
     name = "image_attributes"
     primary = "total"
 
-    def __init__(self, artifact: str = "image"):
+    def __init__(self, artifact: str = "image",
+                 attributes: list[str] | tuple[str, ...] = ATTRIBUTES):
+        if (isinstance(attributes, str) or not attributes
+                or any(a not in ATTRIBUTES for a in attributes)
+                or len(set(attributes)) != len(attributes)):
+            raise ConfigError("image_attributes scores a non-empty set of its attributes",
+                              field="image_attributes.params.attributes",
+                              expected=f"distinct names from {list(ATTRIBUTES)}",
+                              actual=attributes)
         self.required_artifacts = (artifact,)
+        self.attributes = tuple(attributes)
 
     def check_prompt(self, text: str) -> None:
         """rewards.base.ChecksPrompts: the caption must parse (synthetic/shapes.py grammar)."""
@@ -154,7 +166,7 @@ class ImageAttributeScorer:
                 raise UnscorableInputError(err.message, field=f"{self.name}.prompts[{i}]."
                                            f"{err.field}", expected=err.expected,
                                            actual=err.actual) from err
-        rows = [score_image(img, spec) for img, spec in zip(images, specs)]
+        rows = [score_image(img, spec, self.attributes) for img, spec in zip(images, specs)]
         scores = {name: tuple(row[name] for row in rows) for name in SCORE_NAMES}
         return ScorerOutput(scorer=self.name, scores=scores,
                             status=tuple(ScoreStatus.OK for _ in rows),
