@@ -207,7 +207,8 @@ class ScorerStage(Model):
 
     name: str
     scorer: ScorerSpec = Field(description="Scorer kind and parameters (rewards.registry).")
-    inputs: tuple[str, ...] = Field(min_length=1, description="Decoded artifact names it reads.")
+    inputs: tuple[str, ...] = Field(min_length=1, description="Artifact names it reads: decoded "
+                                    "ones (decoded for it) or latents (read from the rollout).")
     reward: ScorerWeight = Field(default_factory=ScorerWeight,
                                  description="Weight, required/optional policy, timeout.")
     stage: ScorerStageOptions = Field(default_factory=ScorerStageOptions)

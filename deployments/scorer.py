@@ -20,6 +20,7 @@ from deployments.config import ScorerStage
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
 from rewards.base import ChecksPrompts, ScoreRequest
+from rewards.groupwise import groups_of
 from rewards.registry import build_scorer
 
 
@@ -32,7 +33,8 @@ def _concat(requests: Sequence[ScoreRequest]) -> ScoreRequest:
         artifacts[name] = MediaArtifact(first.spec, data, first.metadata)
     return ScoreRequest(artifacts=artifacts,
                         prompts=tuple(p for r in requests for p in r.prompts),
-                        metadata=tuple(m for r in requests for m in r.metadata))
+                        metadata=tuple(m for r in requests for m in r.metadata),
+                        groups=groups_of(requests))
 
 
 def _finite_or_error(output: ScorerOutput) -> ScorerOutput | NonFiniteOutputError:
@@ -114,8 +116,10 @@ class ScorerServer:
                                        field=f"{self.spec.name}.inputs", expected=missing,
                                        actual=sorted(handles))
         arts = await asyncio.gather(*(handles[n].ref for n in self.spec.inputs))
+        # one call = one request = one prompt group (what groupwise scorers compare within)
         pending = _Pending(ScoreRequest(artifacts=dict(zip(self.spec.inputs, arts)),
-                                        prompts=tuple(prompts), metadata=tuple(metadata)))
+                                        prompts=tuple(prompts), metadata=tuple(metadata),
+                                        groups=(len(prompts),)))
         del arts
         try:
             result = await self._score_batch(pending)

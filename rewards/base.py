@@ -13,17 +13,21 @@ class ScoreRequest:
 
     artifacts: name -> artifact with data (B, ...); prompts: B prompt texts;
     metadata: B per-sample dicts (e.g. condition frames for FL2VA fidelity, seeds).
+    groups: sizes of the consecutive prompt groups the B samples form (the scorer stage gives
+    each request's rows as one group); () = not stated, which only groupwise scorers refuse
+    (rewards/groupwise.py).
     """
 
     artifacts: Mapping[str, MediaArtifact]
     prompts: tuple[str, ...]
     metadata: tuple[Mapping[str, Any], ...] = field(default=())
+    groups: tuple[int, ...] = field(default=())
 
 
 @runtime_checkable
 class Scorer(Protocol):
     name: str
-    required_artifacts: tuple[str, ...]     # artifact names it reads (decoded)
+    required_artifacts: tuple[str, ...]     # artifact names it reads (decoded, or a latent)
     primary: str                            # the named score used as this scorer's reward
 
     def score(self, request: ScoreRequest) -> ScorerOutput:

@@ -11,7 +11,7 @@ import importlib
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contract import ConfigError
 from rewards.base import Scorer
@@ -35,6 +35,13 @@ class ScorerKind(str, Enum):
     REMOTE = "remote"                # an HTTP reward server (JSON, base64 PNG / WAV)
     VLM_JUDGE = "vlm_judge"          # an OpenAI-compatible chat-completions VLM
     EXTERNAL = "external"            # a Scorer class named by import path (isolated envs)
+    PICKSCORE_RANK = "pickscore_rank"  # groupwise: PickScore's rank within the prompt group
+    VLM_PAIRWISE = "vlm_pairwise"    # groupwise: a VLM judge's pairwise win rate (Pref-GRPO)
+    GENEVAL = "geneval"              # GenEval: detector + CLIP colour + count / position rules
+    LATENT_HEAD = "latent_head"      # a reward head on the latent (the decode is skipped)
+
+
+GROUPWISE_KINDS = frozenset({ScorerKind.PICKSCORE_RANK, ScorerKind.VLM_PAIRWISE})
 
 
 class ScorerSpec(BaseModel):
@@ -45,6 +52,18 @@ class ScorerSpec(BaseModel):
                                    description="the scorer's config fields / constructor kwargs")
     video: VideoFrames | None = Field(None, description="score a video with this image scorer "
                                       "on uniformly sampled frames (rewards.frames)")
+
+    @model_validator(mode="after")
+    def _check_video(self) -> "ScorerSpec":
+        if self.video is not None and self.groupwise:
+            raise ValueError(f"{self.kind.value} is groupwise: its samples are compared within "
+                             "their prompt group, which frame sampling would split into frames")
+        return self
+
+    @property
+    def groupwise(self) -> bool:
+        """Whether the scorer compares the samples of a prompt group (rewards/groupwise.py)."""
+        return self.kind in GROUPWISE_KINDS
 
 
 def build_scorer(spec: ScorerSpec) -> Scorer:
@@ -66,6 +85,11 @@ _CONFIGURED = {   # kind -> (module, scorer class, its pydantic config class)
     ScorerKind.REMOTE: ("rewards.remote", "RemoteScorer", "RemoteScorerConfig"),
     ScorerKind.VLM_JUDGE: ("rewards.vlm_judge", "VLMJudgeScorer", "VLMJudgeScorerConfig"),
     ScorerKind.EXTERNAL: ("rewards.external", "ExternalScorer", "ExternalScorerConfig"),
+    ScorerKind.PICKSCORE_RANK: ("rewards.groupwise", "PickScoreRankScorer",
+                                "HFClipScorerConfig"),
+    ScorerKind.VLM_PAIRWISE: ("rewards.pairwise", "VLMPairwiseScorer", "VLMPairwiseScorerConfig"),
+    ScorerKind.GENEVAL: ("rewards.geneval", "GenEvalScorer", "GenEvalScorerConfig"),
+    ScorerKind.LATENT_HEAD: ("rewards.latent", "LatentHeadScorer", "LatentHeadScorerConfig"),
 }
 
 

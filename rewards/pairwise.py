@@ -1,0 +1,170 @@
+"""Pairwise preference reward (Pref-GRPO, arXiv 2508.20751): a VLM judge compares two samples of
+a prompt group at a time; each sample's win rate in its group is its reward.
+
+For a group of n samples (rewards/groupwise.py: whole groups only) every unordered pair (i, j),
+i < j, is one chat completion on the judge's OpenAI-compatible server (what vLLM / sglang serve):
+both images, labelled by their index in the group, and the prompt; the judge answers the index
+of the better one (constrained to the pair's two labels with `choices`, vLLM's
+`structured_outputs` / `guided_choice`). Then, as the paper defines it,
+    win_rate_i = (1 / (n - 1)) * sum_{j != i} [i preferred over j]        in [0, 1].
+An answer naming neither sample of its pair (a judge answering for another pair) raises
+RemoteScorerError naming the pair and the answer; an answer with no index fails the pair's two
+samples (FAILED -> a required scorer's ScorerFailedError, an optional one's MISSING).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from contract import ConfigError, Modality, ScorerOutput, ScoreStatus
+from contract.errors import RemoteScorerError
+from rewards.base import ScoreRequest
+from rewards.groupwise import group_slices
+from rewards.http_client import JsonClient, RetryPolicy
+from rewards.media import require_decoded
+from rewards.remote_protocol import png_base64
+from rewards.vlm_judge import ChoiceField
+
+DEFAULT_PAIR_TEMPLATE = (
+    "Two AI-generated images for the prompt: \"{prompt}\". The first is image {first}, the "
+    "second is image {second}. Which one matches the prompt better and looks better? Answer "
+    "with its number only.")
+
+
+class VLMPairwiseScorerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    name: str = "vlm_pairwise"
+    base_url: str = Field(description="OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1")
+    model: str = Field(description="the served model name")
+    api_key_env: str | None = Field(None, description="env var holding a bearer token")
+    artifact: str = "image"
+    system_prompt: str | None = None
+    template: str = Field(DEFAULT_PAIR_TEMPLATE, description="user text; {prompt}, {first} and "
+                          "{second} (the two samples' indices in the group)")
+    constrain: bool = Field(True, description="constrain the answer to the pair's two indices")
+    choice_field: ChoiceField = ChoiceField.STRUCTURED_OUTPUTS
+    max_pairs: int = Field(256, ge=1, description="judge calls per group at most: n(n-1)/2")
+    max_tokens: int = Field(8, ge=1, le=4096)
+    retry: RetryPolicy = Field(default_factory=lambda: RetryPolicy(timeout_s=120.0))
+
+    @model_validator(mode="after")
+    def _check(self) -> "VLMPairwiseScorerConfig":
+        for key in ("{prompt}", "{first}", "{second}"):
+            if key not in self.template:
+                raise ValueError(f"template must contain {key}")
+        return self
+
+
+def win_rates(n: int, winners: dict[tuple[int, int], int | None]) -> list[float | None]:
+    """Each sample's share of its n - 1 comparisons won; None for a sample with an undecided
+    comparison (its pair's answer had no index)."""
+    wins = [0] * n
+    undecided: set[int] = set()
+    for (i, j), w in winners.items():
+        if w is None:
+            undecided.update((i, j))
+        else:
+            wins[w] += 1
+    return [None if k in undecided else wins[k] / (n - 1) for k in range(n)]
+
+
+class VLMPairwiseScorer:
+    primary = "win_rate"
+    groupwise = True
+
+    def __init__(self, config: VLMPairwiseScorerConfig):
+        self.config = config
+        self.name = config.name
+        self.required_artifacts = (config.artifact,)
+        headers = {}
+        if config.api_key_env:
+            key = os.environ.get(config.api_key_env)
+            if not key:
+                raise ConfigError("the judge's API key variable is not set",
+                                  field=f"{self.name}.api_key_env", actual=config.api_key_env)
+            headers["Authorization"] = f"Bearer {key}"
+        self._client = JsonClient(config.base_url.rstrip("/") + "/chat/completions",
+                                  config.retry, config.name, headers)
+        self._pool = ThreadPoolExecutor(max_workers=config.retry.max_concurrency,
+                                        thread_name_prefix=f"pair-{config.name}")
+
+    def body(self, prompt: str, first: tuple[int, Any], second: tuple[int, Any]) -> dict:
+        cfg = self.config
+        content: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(x)}"}}
+            for _, x in (first, second)]
+        content.append({"type": "text", "text": cfg.template.format(
+            prompt=prompt, first=first[0], second=second[0])})
+        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt
+                    else []) + [{"role": "user", "content": content}]
+        body: dict[str, Any] = {"model": cfg.model, "messages": messages, "temperature": 0.0,
+                                "max_tokens": cfg.max_tokens}
+        if cfg.constrain:
+            labels = [str(first[0]), str(second[0])]
+            body[cfg.choice_field.value] = ({"choice": labels}
+                                            if cfg.choice_field == ChoiceField.STRUCTURED_OUTPUTS
+                                            else labels)
+        return body
+
+    def winner(self, answer: str, pair: tuple[int, int], group: int) -> int | None:
+        """The preferred sample of `pair` (group-local indices), None when the answer names no
+        index; RemoteScorerError when it names a sample outside the pair."""
+        match = re.search(r"-?\d+", answer)
+        if match is None:
+            return None
+        label = int(match.group(0))
+        if label not in pair:
+            raise RemoteScorerError(
+                f"judge {self.name!r} answered for another pair: {answer[:200]!r}",
+                field=f"{self.name}.groups[{group}].pairs[{pair[0]},{pair[1]}]",
+                expected=list(pair), actual=label)
+        return label
+
+    def score(self, request: ScoreRequest) -> ScorerOutput:
+        cfg = self.config
+        art = require_decoded(request.artifacts, cfg.artifact, Modality.IMAGE, self.name)
+        slices = group_slices(request, art.batch_size, self.name)
+        for g, sl in enumerate(slices):
+            n = sl.stop - sl.start
+            if n * (n - 1) // 2 > cfg.max_pairs:
+                raise ConfigError("a group needs more judge calls than max_pairs",
+                                  field=f"{self.name}.max_pairs",
+                                  expected=f">= {n * (n - 1) // 2} (group {g} of {n})",
+                                  actual=cfg.max_pairs)
+        data = art.data.cpu().numpy()
+        jobs = []                        # (group, (i, j) local, body)
+        for g, sl in enumerate(slices):
+            n = sl.stop - sl.start
+            for i, j in itertools.combinations(range(n), 2):
+                jobs.append((g, (i, j), self.body(request.prompts[sl.start], (i, data[sl.start + i]),
+                                                  (j, data[sl.start + j]))))
+        answers = list(self._pool.map(self._client.post, [b for _, _, b in jobs]))
+        winners: list[dict[tuple[int, int], int | None]] = [{} for _ in slices]
+        for (g, pair, _), ans in zip(jobs, answers):
+            try:
+                text = ans["choices"][0]["message"]["content"]
+                if not isinstance(text, str):
+                    raise TypeError(type(text).__name__)
+            except (KeyError, IndexError, TypeError) as e:
+                raise RemoteScorerError(f"judge {self.name!r} answered no chat completion "
+                                        f"({type(e).__name__}: {e})",
+                                        field=f"{self.name}.response") from None
+            winners[g][pair] = self.winner(text, pair, g)
+        rates: list[float | None] = []
+        reasons: list[str | None] = []
+        for g, sl in enumerate(slices):
+            for k, rate in enumerate(win_rates(sl.stop - sl.start, winners[g])):
+                rates.append(rate)
+                reasons.append(None if rate is not None else
+                               f"a judge answer for a pair of sample {k} named no index")
+        return ScorerOutput(
+            scorer=self.name, scores={"win_rate": tuple(rates)},
+            status=tuple(ScoreStatus.OK if r is not None else ScoreStatus.FAILED for r in rates),
+            reasons=tuple(reasons),
+            metadata={"pairs": len(jobs)})

@@ -1,0 +1,255 @@
+"""Groupwise and pairwise rewards and the latent reward head: PickScore_Rank against Flow-Factory's
+rank formula, the Pref-GRPO win rate from a real tiny VLM behind an OpenAI-compatible server, the
+typed errors (a split group, a judge answering for another pair, a latent head on decoded media),
+and one in-process step on tiny_t2i: the real embedded engine's groups, decoded by the family's
+VAE, scored by the scorer stage's batch function, into a FlowGRPO update.
+
+References:
+- Flow-Factory (X-GenGroup/Flow-Factory, src/flow_factory/rewards/pick_score.py, commit
+  73ddbdc1a10441fbbafd73c4accc7924d9507266, PickScoreRankRewardModel.__call__):
+      ranks = raw_scores.argsort().argsort(); rewards = ranks.float() / group_size
+- Pref-GRPO (arXiv 2508.20751, Sec. 3): a sample's reward is its win rate over the other n - 1
+  samples of its group; derived here from the judge's recorded answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import re
+
+import pytest
+import torch
+
+from contract import (ArtifactSpec, ConfigError, MediaArtifact, MediaFormatError, RewardReport,
+                      RolloutOutput, ScoreStatus)
+from contract.errors import RemoteScorerError
+from rewards.base import ScoreRequest
+from rewards.groupwise import GroupSplitError, rank_in_group
+from rewards.pairwise import VLMPairwiseScorer, VLMPairwiseScorerConfig, win_rates
+from rewards.registry import ScorerSpec, build_scorer
+
+torch.set_num_threads(1)
+IMAGE = ArtifactSpec("image", "image", "decoded", "CHW", source="image_latent")
+LATENT = ArtifactSpec("image_latent", "image", "latent", "latent:CHW")
+
+
+def _images(n, seed=0, h=32, w=32):
+    g = torch.Generator().manual_seed(seed)
+    return {"image": MediaArtifact(IMAGE, torch.randint(0, 256, (n, 3, h, w), generator=g,
+                                                        dtype=torch.uint8))}
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    from testing import preference_snapshots as ps
+    return ps.write_hf_clip_dir(tmp_path_factory.mktemp("groupwise") / "clip")
+
+
+@pytest.fixture(scope="module")
+def rank_scorer(clip_dir):
+    return build_scorer(ScorerSpec(kind="pickscore_rank", params={"model_dir": clip_dir}))
+
+
+def test_rank_equals_flow_factorys_argsort_formula():
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 8, 17):
+        scores = torch.randn(n, generator=g)
+        reference = scores.argsort().argsort().float() / n        # Flow-Factory (distinct scores)
+        torch.testing.assert_close(rank_in_group(scores), reference, rtol=0, atol=0)
+    # ties: ordered by position (a stable sort), so the ranks stay a permutation
+    assert rank_in_group(torch.tensor([1.0, 1.0, 0.0])).tolist() == pytest.approx([1 / 3, 2 / 3, 0])
+
+
+def test_pickscore_rank_ranks_pickscore_within_each_group(rank_scorer, clip_dir):
+    pick = build_scorer(ScorerSpec(kind="pickscore", params={"model_dir": clip_dir}))
+    prompts = ("a red cat",) * 3 + ("a blue dog",) * 4
+    arts = _images(7)
+    out = rank_scorer.score(ScoreRequest(arts, prompts, groups=(3, 4)))
+    values = torch.tensor(pick.score(ScoreRequest(arts, prompts)).scores["pickscore"])
+    assert out.scores["pickscore"] == pytest.approx(values.tolist(), abs=1e-6)
+    expected = torch.cat([values[:3].argsort().argsort() / 3, values[3:].argsort().argsort() / 4])
+    assert out.scores["rank"] == pytest.approx(expected.tolist(), abs=0)
+    assert rank_scorer.primary == "rank" and out.status == (ScoreStatus.OK,) * 7
+
+
+@pytest.mark.parametrize("groups, field", [((), "pickscore_rank.groups"),
+                                           ((3, 3), "pickscore_rank.groups"),
+                                           ((1, 3), "pickscore_rank.groups[0]")])
+def test_a_split_or_undeclared_group_is_refused(rank_scorer, groups, field):
+    with pytest.raises(GroupSplitError) as e:
+        rank_scorer.score(ScoreRequest(_images(4), ("a cat",) * 4, groups=groups))
+    assert e.value.field == field and e.value.http_status == 422
+
+
+def test_groupwise_scorer_on_video_frames_is_a_config_error(clip_dir):
+    from deployments.config import load_graph_config
+    with pytest.raises(ConfigError) as e:
+        load_graph_config({"scorers": [{"name": "r", "inputs": ["video"], "scorer": {
+            "kind": "pickscore_rank", "params": {"model_dir": clip_dir},
+            "video": {"num_frames": 2}}}]})
+    assert "scorer" in e.value.field and "groupwise" in e.value.message
+
+
+def test_scorer_stage_batch_keeps_each_request_its_own_group(rank_scorer, clip_dir):
+    """The scorer stage's micro-batch (two calls in one forward) ranks each call's samples among
+    themselves: the same ranks as each request scored alone."""
+    from deployments.config import ScorerStage
+    from deployments.scorer import ScorerServer, _Pending
+    stage = ScorerServer.__new__(ScorerServer)           # the stage's own batch path, no replica
+    stage.spec = ScorerStage(name="pickscore_rank", inputs=("image",),
+                             scorer={"kind": "pickscore_rank", "params": {"model_dir": clip_dir}})
+    stage.scorer = rank_scorer
+    from deployments.metrics import StageMetrics
+    stage.metrics = StageMetrics("scorer:test")
+    a, b = _images(3, seed=1), _images(4, seed=2)
+    reqs = [ScoreRequest(a, ("a cat",) * 3, groups=(3,)), ScoreRequest(b, ("a dog",) * 4,
+                                                                      groups=(4,))]
+    batched = asyncio.run(ScorerServer._score_batch.__wrapped__(stage,
+                                                                [_Pending(r) for r in reqs]))
+    for req, out in zip(reqs, batched):
+        assert out.scores["rank"] == rank_scorer.score(req).scores["rank"]
+
+
+# ---- pairwise: a real tiny VLM behind an OpenAI-compatible server ------------------------------
+@pytest.fixture(scope="module")
+def judge_server():
+    from testing.http_servers import serve
+    from tests.tiny_vlm_server import TinyVLMServer
+    server = TinyVLMServer()
+    with serve(server.app()) as url:
+        yield server, url
+
+
+def test_pairwise_win_rates_follow_the_judges_answers(judge_server):
+    server, url = judge_server
+    scorer = build_scorer(ScorerSpec(kind="vlm_pairwise", params={
+        "base_url": f"{url}/v1", "model": "tiny-llava"}))
+    arts = _images(5, seed=3)
+    prompts = ("a red cat",) * 2 + ("a blue dog",) * 3
+    before = len(server.exchanges)
+    out = scorer.score(ScoreRequest(arts, prompts, groups=(2, 3)))
+    exchanges = server.exchanges[before:]
+    assert len(exchanges) == 1 + 3 and out.metadata["pairs"] == 4
+    # the derivation: per group, each sample's wins over the other n - 1, from the answers
+    expected = []
+    for start, n in ((0, 2), (2, 3)):
+        wins = [0] * n
+        for (i, j), (body, answer) in zip(itertools.combinations(range(n), 2),
+                                          exchanges[:n * (n - 1) // 2]):
+            text = body["messages"][-1]["content"][-1]["text"]
+            assert f"image {i}" in text and f"image {j}" in text and prompts[start] in text
+            assert body["structured_outputs"] == {"choice": [str(i), str(j)]}
+            wins[int(answer)] += 1
+        exchanges = exchanges[n * (n - 1) // 2:]
+        expected += [w / (n - 1) for w in wins]
+    assert out.scores["win_rate"] == pytest.approx(expected)
+    assert sum(out.scores["win_rate"][2:]) == pytest.approx(1.5)   # 3 comparisons, 1 win each
+
+
+def test_a_judge_answering_for_another_pair_is_a_typed_error(judge_server):
+    _, url = judge_server
+    scorer = VLMPairwiseScorer(VLMPairwiseScorerConfig(base_url=f"{url}/v1", model="tiny-llava"))
+    with pytest.raises(RemoteScorerError) as e:
+        scorer.winner("Image 3 is better", (0, 1), group=2)
+    assert e.value.field == "vlm_pairwise.groups[2].pairs[0,1]" and e.value.actual == 3
+    assert scorer.winner("1", (0, 1), 0) == 1 and scorer.winner("neither", (0, 1), 0) is None
+    assert win_rates(3, {(0, 1): 0, (0, 2): None, (1, 2): 2}) == [None, 0.0, None]
+    with pytest.raises(ConfigError):
+        build_scorer(ScorerSpec(kind="vlm_pairwise", params={
+            "base_url": url, "model": "m", "template": "no labels {prompt}"}))
+
+
+# ---- the latent head ---------------------------------------------------------------------------
+def _write_head(path, channels=4, hidden=6, seed=0):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"proj.weight": torch.randn(hidden, channels, generator=g),
+               "proj.bias": torch.randn(hidden, generator=g),
+               "out.weight": torch.randn(1, hidden, generator=g),
+               "out.bias": torch.randn(1, generator=g)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def test_latent_head_formula_and_typed_errors(tmp_path):
+    w = _write_head(tmp_path / "head.safetensors")
+    scorer = build_scorer(ScorerSpec(kind="latent_head",
+                                     params={"head_path": str(tmp_path / "head.safetensors")}))
+    z = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    out = scorer.score(ScoreRequest({"image_latent": MediaArtifact(LATENT, z)}, ("p",) * 3))
+    pooled = z.mean(dim=(2, 3))
+    hidden = 0.5 * (pooled @ w["proj.weight"].T + w["proj.bias"]) * (
+        1 + torch.erf((pooled @ w["proj.weight"].T + w["proj.bias"]) / 2 ** 0.5))
+    expected = hidden @ w["out.weight"][0] + w["out.bias"][0]
+    assert out.scores["latent_reward"] == pytest.approx(expected.tolist(), rel=1e-5)
+    with pytest.raises(MediaFormatError) as e:       # decoded media where the latent belongs
+        scorer.score(ScoreRequest({"image_latent": MediaArtifact(IMAGE, torch.zeros(
+            3, 3, 8, 8, dtype=torch.uint8))}, ("p",) * 3))
+    assert e.value.field == "latent_head.artifacts.image_latent.representation"
+    with pytest.raises(MediaFormatError) as e:       # channels the head does not read
+        scorer.score(ScoreRequest({"image_latent": MediaArtifact(LATENT, torch.zeros(
+            3, 16, 8, 8))}, ("p",) * 3))
+    assert e.value.field == "latent_head.artifacts.image_latent.shape"
+    bad = dict(w, **{"out.bias": torch.zeros(2)})
+    from safetensors.torch import save_file
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ConfigError) as e:
+        build_scorer(ScorerSpec(kind="latent_head",
+                                params={"head_path": str(tmp_path / "bad.safetensors")}))
+    assert e.value.field == "latent_head.head_path.out.bias"
+
+
+# ---- one in-process step: engine groups -> decode -> scorer stage -> FlowGRPO update -----------
+@pytest.fixture(scope="module")
+def tiny():
+    from adapters.tiny_t2i import TinyT2IFamily
+    from rollout.engine import EmbeddedEngine
+    from trainer.config import SamplerSettings, TrainerConfig
+    from trainer.learner import Learner
+    adapter = TinyT2IFamily()
+    transformers = adapter.load_transformers()
+    engine = EmbeddedEngine(adapter, copy.deepcopy(transformers), {})
+    cfg = TrainerConfig(algorithm="flow_grpo", samples_per_prompt=4, prompts_per_step=2,
+                        sampler=SamplerSettings(num_steps=4, window=(1, 2)),
+                        flow_grpo={"old_log_probs": "recompute", "clip_range": 0.2})
+    learner = Learner(adapter, transformers, adapter.load_encoders(), cfg.lora, cfg.optimizer)
+    yield adapter, engine, cfg, learner
+    asyncio.run(engine.shutdown())
+
+
+def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, tmp_path):
+    from contract import Algorithm
+    from tests.test_trainer_local import _rollout
+    from trainer.prompts import captions, make_requests
+    from trainer.config import PromptSource
+    from trainer.rollout_batch import build_batch
+    from trainer.updates import UPDATES
+    adapter, engine, cfg, learner = tiny
+    tensors, scale = learner.export()
+    engine.load_lora("gw-v0", tensors, scale)
+    prompts = adapter.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 3))
+    requests = make_requests(adapter, prompts, cfg.sampler, 4, 0, "gw-v0")
+    results = _rollout(adapter, engine, learner, "gw-v0", requests, prompts)
+    _write_head(tmp_path / "head.safetensors")
+    latent = build_scorer(ScorerSpec(kind="latent_head", params={
+        "head_path": str(tmp_path / "head.safetensors")}))
+    vae = adapter.load_decoder("image_latent")
+    outputs = []
+    for req, res in zip(requests, results):
+        z = res.latents["image_latent"]
+        image = MediaArtifact(IMAGE, adapter.codec.decode("image_latent", vae, z.data,
+                                                          req.sampling))
+        text = (req.prompt.text or "",) * 4
+        ranked = rank_scorer.score(ScoreRequest({"image": image}, text, groups=(4,)))
+        head = latent.score(ScoreRequest({"image_latent": z}, text, groups=(4,)))
+        assert sorted(ranked.scores["rank"]) == [0.0, 0.25, 0.5, 0.75]
+        total = tuple(r + h for r, h in zip(ranked.scores["rank"], head.scores["latent_reward"]))
+        report = RewardReport({"rank": ranked, "latent": head}, total, {"rank": 1, "latent": 1})
+        outputs.append(RolloutOutput(req.request_id, dict(res.latents), res.trajectory,
+                                     res.policy_version, req.sampling.seeds, rewards=report))
+    batch = build_batch(learner, prompts, outputs, [r.sampling for r in requests])
+    before = [p.detach().clone() for p in learner.params]
+    metrics = UPDATES[Algorithm.FLOW_GRPO](learner, batch, cfg, torch.Generator().manual_seed(0))
+    assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
