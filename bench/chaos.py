@@ -77,7 +77,7 @@ def two_node_cluster(namespace: str = "omni-chaos") -> Iterator[SimpleNamespace]
     import ray
     from ray import serve
 
-    from bench.loopback import LoopbackCluster, free_port
+    from testing.loopback import LoopbackCluster, free_port
     with LoopbackCluster() as lb:
         lb.start_head(num_cpus=4, resources={"stage_node": 8}, labels=STAGES_LABEL)
         rollout = lb.add_node("rollout", num_cpus=2, resources={"rollout_node": 8},

@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.chaos import (SCENARIOS, AttachedTrainer, ChaosSetup, check_row,
                          cluster_graph_config, run_node_loss, run_scenario, two_node_cluster,
                          wait_for)
-from bench.loopback import LOOPBACK_ENV
+from testing.loopback import LOOPBACK_ENV
 
 RESULTS = Path(__file__).resolve().parent / "results"
 APP, STORE = "chaos", "chaos_store"

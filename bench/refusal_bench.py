@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from bench.loopback import free_port
+    from testing.loopback import free_port
     from graph import build_app
     port = free_port()
     ray.init(address="local", num_cpus=8, object_store_memory=256 * 2**20,

@@ -53,7 +53,7 @@ BERT_BASE_MED = {"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_s
 
 def _spec(name: str, tmp: Path):
     """Write the checkpoint of `name` under tmp; returns (ScorerSpec, media kind)."""
-    from rewards import preference_snapshots as ps
+    from testing import preference_snapshots as ps
     from rewards.registry import ScorerSpec
     if name == "pickscore":
         return ScorerSpec(kind="pickscore", params={"model_dir": ps.write_hf_clip_dir(

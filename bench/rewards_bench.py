@@ -53,7 +53,7 @@ def build_scorers(workdir: Path) -> dict[str, object]:
     from rewards.clap import ClapScorer, ClapScorerConfig
     from rewards.clip import ClipScorer, ClipScorerConfig
     from rewards.imagebind import ImageBindScorer, ImageBindScorerConfig
-    from rewards.snapshots import write_clap_dir
+    from testing.snapshots import write_clap_dir
 
     out: dict[str, object] = {}
     out["clip ViT-B-32 (image)"] = ClipScorer(ClipScorerConfig(model="ViT-B-32", random_init=True))

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from bench.loopback import free_port
+from testing.loopback import free_port
 
 pytest_plugins = ["tests.checkpoints"]   # tiny_checkpoint(family): real-layout tiny checkpoints
 

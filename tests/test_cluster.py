@@ -1,5 +1,5 @@
 """The graph on a two-node Ray cluster on loopback (`ray start --head` + `ray start --address`,
-bench/loopback.py), its own cluster for this module: marked `cluster`, run by its own pytest
+testing/loopback.py), its own cluster for this module: marked `cluster`, run by its own pytest
 process in `make test` (a driver joins one Ray cluster per process; the default suite's
 session cluster stays untouched).
 
@@ -114,7 +114,7 @@ def test_placements_no_node_can_hold_fail_at_build_time(cluster):
 
 
 def test_chaos_on_every_stage_with_a_trainer_attached(cluster, graph, family, tmp_path):
-    from bench.loopback import LOOPBACK_ENV
+    from testing.loopback import LOOPBACK_ENV
     import os
     trainer = AttachedTrainer(tmp_path / "trainer", cluster_graph_config(APP, STORE),
                               dict(os.environ, **LOOPBACK_ENV), cluster.lb.address)

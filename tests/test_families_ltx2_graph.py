@@ -50,7 +50,7 @@ def deployed(ray_cluster, tiny_checkpoint, tmp_path_factory):
     from ray import serve
 
     from graph import build_app, delete_graph
-    from rewards.snapshots import write_clap_dir
+    from testing.snapshots import write_clap_dir
     root = tiny_checkpoint("ltx2")
     args = graph_args(root, write_clap_dir(tmp_path_factory.mktemp("clap_tiny")))
     handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")

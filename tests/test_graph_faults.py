@@ -31,7 +31,7 @@ def faults_graph(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from graph import build_app, delete_graph
-    from rewards.snapshots import write_clip_dir
+    from testing.snapshots import write_clip_dir
     clip_model = write_clip_dir(tmp_path_factory.mktemp("clip_tiny"))
     config = {
         "app_name": APP,

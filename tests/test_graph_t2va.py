@@ -39,7 +39,7 @@ def t2va_graph(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from graph import build_app, delete_graph
-    from rewards.snapshots import write_clap_dir
+    from testing.snapshots import write_clap_dir
     clap_dir = write_clap_dir(tmp_path_factory.mktemp("clap_tiny"))
     config = t2va_config(str(clap_dir))
     handle = serve.run(build_app(config), name=APP, route_prefix=None)

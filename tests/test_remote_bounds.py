@@ -27,7 +27,7 @@ from contract import ArtifactSpec, MediaArtifact
 from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.registry import ScorerSpec, build_scorer
-from tests.http_servers import serve
+from testing.http_servers import serve
 
 CHUNK = 64 * 1024
 FAST = {"timeout_s": 60.0, "retries": 0, "max_response_bytes": 1 << 20}

@@ -111,7 +111,7 @@ def test_contract_checks():
 def clip(tmp_path_factory):
     torch.set_num_threads(1)
     from rewards.clip import ClipScorer, ClipScorerConfig
-    from rewards.snapshots import write_clip_dir
+    from testing.snapshots import write_clip_dir
     return ClipScorer(ClipScorerConfig(model=write_clip_dir(tmp_path_factory.mktemp("clip"))))
 
 

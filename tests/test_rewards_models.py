@@ -50,7 +50,7 @@ def _slice(arts, i):
 @pytest.fixture(scope="module")
 def clip_image(tmp_path_factory):
     from rewards.clip import ClipScorer, ClipScorerConfig
-    from rewards.snapshots import write_clip_dir
+    from testing.snapshots import write_clip_dir
     model = write_clip_dir(tmp_path_factory.mktemp("clip"))
     return ClipScorer(ClipScorerConfig(model=model))
 
@@ -65,7 +65,7 @@ def clip_video(clip_image):
 @pytest.fixture(scope="module")
 def clap(tmp_path_factory):
     from rewards.clap import ClapScorer, ClapScorerConfig
-    from rewards.snapshots import write_clap_dir
+    from testing.snapshots import write_clap_dir
     return ClapScorer(ClapScorerConfig(model_dir=write_clap_dir(tmp_path_factory.mktemp("clap"))))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from contract import ArtifactSpec, ConfigError, MediaArtifact, MediaFormatError, ScoreStatus
 from rewards.base import Scorer, ScoreRequest
 from rewards.registry import ScorerSpec, build_scorer
-from rewards.snapshots import TINY_CLIP
+from testing.snapshots import TINY_CLIP
 
 torch.set_num_threads(1)
 IMAGE = ArtifactSpec("image", "image", "decoded", "CHW", source="image_latent")
@@ -64,7 +64,7 @@ def _published_transform(images: torch.Tensor, n_px: int) -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    from rewards import preference_snapshots as ps
+    from testing import preference_snapshots as ps
     root = tmp_path_factory.mktemp("preference")
     clip_dir = ps.write_hf_clip_dir(root / "clip")
     return {"clip_dir": clip_dir, "root": root,

@@ -11,7 +11,7 @@ from rewards.registry import ScorerKind, ScorerSpec, build_scorer
 def test_builds_clip_and_clap_from_spec(tmp_path):
     from rewards.clap import ClapScorer
     from rewards.clip import ClipScorer
-    from rewards.snapshots import write_clap_dir, write_clip_dir
+    from testing.snapshots import write_clap_dir, write_clip_dir
     clip = build_scorer(ScorerSpec(kind="clip", params={
         "name": "clip_t2i", "model": write_clip_dir(tmp_path / "clip")}))
     assert isinstance(clip, ClipScorer) and isinstance(clip, Scorer) and clip.name == "clip_t2i"

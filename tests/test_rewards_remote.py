@@ -20,7 +20,7 @@ from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.combine import RewardConfig, ScorerWeight, run_scorers
 from rewards.registry import ScorerSpec, build_scorer
-from tests.http_servers import serve
+from testing.http_servers import serve
 from tests.test_rewards_ocr import batch as text_images
 from tests.test_rewards_ocr import meta
 

@@ -14,8 +14,8 @@ from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.combine import RewardConfig, ScorerWeight, run_scorers
 from rewards.registry import ScorerSpec, build_scorer
-from bench.loopback import free_port
-from tests.http_servers import serve
+from testing.loopback import free_port
+from testing.http_servers import serve
 
 IMAGE = ArtifactSpec("image", "image", "decoded", "CHW", source="image_latent")
 VIDEO = ArtifactSpec("video", "video", "decoded", "TCHW", source="video_latent", fps=8.0)

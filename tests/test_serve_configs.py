@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.loopback import free_port
+from testing.loopback import free_port
 from tests.serve_configs import (CONFIGS, LOCAL_CPUS, LOCAL_MEMORY_BYTES, READY_TIMEOUT_S,
                                  ROLLOUT_TIMEOUT_S, ROOT, STARTS, STARTUP_TIMED_OUT,
                                  header_needs, rollout_body, serve_config_files, user_config)
@@ -47,7 +47,7 @@ def test_every_serve_config_is_covered():
 
 @pytest.fixture(scope="module")
 def clap_dir(tmp_path_factory) -> Path:
-    from rewards.snapshots import write_clap_dir
+    from testing.snapshots import write_clap_dir
     return write_clap_dir(tmp_path_factory.mktemp("clap_tiny"))
 
 

@@ -32,18 +32,23 @@ def _free_port() -> int:
 
 
 def _graph_with_local_models(cfg: TrainerConfig):
-    """The graph config with repo-relative scorer model dirs made absolute (and tiny CLAP
-    snapshots written when missing)."""
+    """The graph config with repo-relative scorer model dirs made absolute; a missing one is a
+    ConfigError naming the scorer's field (the tiny CLAP snapshot of the t2va configs is written
+    by `python -m testing.snapshots clap DIR`)."""
+    from contract import ConfigError
     from deployments.config import GraphConfig
     graph = cfg.graph_config()
     data = graph.model_dump(mode="json")
-    for spec in data.get("scorers", []):
+    for i, spec in enumerate(data.get("scorers", [])):
         params = spec.get("scorer", {}).get("params", {})
         if "model_dir" in params and not Path(params["model_dir"]).is_absolute():
             path = REPO_ROOT / params["model_dir"]
-            if spec["scorer"]["kind"] == "clap" and not (path / "config.json").is_file():
-                from rewards.snapshots import write_clap_dir
-                write_clap_dir(path)
+            if not path.exists():
+                raise ConfigError(
+                    f"scorer {spec['name']!r} reads a model directory that is not there (the "
+                    f"tiny CLAP one: python -m testing.snapshots clap {params['model_dir']})",
+                    field=f"scorers[{i}].scorer.params.model_dir", expected="a model directory",
+                    actual=str(path))
             params["model_dir"] = str(path)
     return GraphConfig.model_validate(data)
 

@@ -5,7 +5,7 @@ import contextlib
 import threading
 import time
 
-from bench.loopback import free_port
+from testing.loopback import free_port
 
 
 @contextlib.contextmanager

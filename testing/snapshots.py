@@ -84,3 +84,19 @@ def write_clap_dir(path: str | Path, clap_cfg: dict[str, Any] | None = None, see
     model.save_pretrained(str(path))
     ClapProcessor(feature_extractor=fe, tokenizer=tokenizer).save_pretrained(str(path))
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m testing.snapshots clap DIR`: the tiny random-init CLAP snapshot the tiny
+    text->video+audio configs read (configs/tiny_t2va.yaml, configs/ltx2_tiny.yaml)."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m testing.snapshots")
+    parser.add_argument("kind", choices=("clap", "clip"))
+    parser.add_argument("dir")
+    args = parser.parse_args(argv)
+    print((write_clap_dir if args.kind == "clap" else write_clip_dir)(args.dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
