@@ -172,6 +172,13 @@ class RolloutGraph(HTTPFront):
     def _validate(self, request: RolloutRequest) -> tuple[tuple[str, ...], dict]:
         """Fail fast, before any stage runs: (requested artifact names, condition media)."""
         requested = check_requested_artifacts(request, self.io_spec.names)
+        n = request.sampling.samples_per_prompt
+        for spec in self.config.scorers:     # a group of one cannot be compared within itself
+            if spec.scorer.groupwise and n < 2:
+                raise InvalidRequestError(f"scorer {spec.name!r} compares the samples of a "
+                                          "prompt group; this request's group holds one",
+                                          field="sampling.seeds", expected=">= 2 samples",
+                                          actual=n, request_id=request.request_id)
         return requested, self.family.validate_request(request, self.config.limits)
 
     async def _check_prompts(self, batch: Sequence[RolloutRequest]) -> None:
@@ -290,7 +297,7 @@ class RolloutGraph(HTTPFront):
             artifacts.update({n: h for n, h in out.artifacts.items() if n in requested})
             previews.update({n: p for n, p in out.previews.items() if n in requested})
         t_score = time.perf_counter()
-        rewards = await self._score(request, refs, media)
+        rewards = await self._score(request, refs, media, stage)
         t_release = time.perf_counter()
         internal = {*stage.artifacts, *(n for o in outs.values() for n in o.artifacts)} - \
             set(requested)            # read by the graph's own stages only, all of them done
@@ -335,9 +342,10 @@ class RolloutGraph(HTTPFront):
                 plan.setdefault(spec.source, []).append(name)
         return {latent: tuple(names) for latent, names in plan.items()}
 
-    async def _score(self, request, responses, media) -> RewardReport | None:
+    async def _score(self, request, responses, media, stage) -> RewardReport | None:
         """Call every scorer deployment (per request, so scoring overlaps other requests'
-        rollouts) under its timeout; failures go through the required/optional policy."""
+        rollouts) under its timeout; failures go through the required/optional policy. A scorer
+        reading a latent gets the rollout stage's output (no decode planned for it)."""
         if not self.scorers:
             return None
         n = request.sampling.samples_per_prompt
@@ -353,10 +361,11 @@ class RolloutGraph(HTTPFront):
         calls = {}
         for name, handle in self.scorers.items():
             spec = self.scorer_specs[name]
-            sources = sorted({self.io_spec[i].source for i in spec.inputs})
+            sources = sorted({self.io_spec[i].source or "" for i in spec.inputs})  # "": latent
             calls[name] = asyncio.wait_for(
                 self._stage_result(f"scorer.{name}", handle.score.remote(
-                    *(responses[s] for s in sources), prompts=prompts, metadata=metadata),
+                    *(responses[s] if s else stage for s in sources), prompts=prompts,
+                    metadata=metadata),
                     request.request_id),
                 timeout=spec.reward.timeout_s)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
