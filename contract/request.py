@@ -125,6 +125,11 @@ class SamplingSpec(FrozenModel):
     height: int = Field(32, ge=8)
     width: int = Field(32, ge=8)
     num_frames: int = Field(1, ge=1)
+    flash_compress: float | None = Field(
+        None, gt=0.0, le=1.0, description="MixGRPO-Flash: after the SDE window, deterministic "
+        "DPM-Solver++(2M) on a schedule compressed to this share of the remaining points "
+        "(diffusion.flash_schedule, MixGRPO's dpm_post_compress_ratio); None = ODE outside "
+        "the window.")
 
     @property
     def samples_per_prompt(self) -> int:
@@ -161,6 +166,15 @@ class SamplingSpec(FrozenModel):
         bad = [s for s in value if not 0 <= s <= MAX_SEED]
         if bad:
             raise ValueError(f"a seed must be in [0, 2**64), got {bad[0]}")
+        return value
+
+    @field_validator("flash_compress")
+    @classmethod
+    def _check_flash(cls, value: float | None, info: ValidationInfo) -> float | None:
+        sampler = info.data.get("sampler")
+        if value is not None and sampler in (SamplerKind.ODE, SamplerKind.DPM2):
+            raise ValueError(f"flash_compress follows an SDE window: the {sampler.value} "
+                             "sampler has none")
         return value
 
     @field_validator("sde_window")

@@ -1,4 +1,5 @@
-"""SDE windows (Flow-GRPO-Fast, MixGRPO): steps [start, end) are stochastic, the rest are ODE.
+"""SDE windows (Flow-GRPO-Fast, MixGRPO): steps [start, end) are stochastic, the rest are ODE
+(MixGRPO-Flash: DPM-Solver++(2M) on a shorter schedule after the window, `flash_schedule`).
 
 All rows of one prompt group must share the same window: per-row windows inflate the reward
 spread within a group and collapse training (notes/rl_algorithms.md section 1.3 and 6 item 5).
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from contract.errors import InvalidRequestError
+from contract.request import SamplingSpec
 
 
 def _check_window(window: tuple[int, int], field: str = "window") -> tuple[int, int]:
@@ -107,3 +111,88 @@ def sliding_window_exhausted(num_steps: int, size: int, shift_every: int, stride
     if roll_back:
         return (last // stride) * shift_every if last % stride == 0 else None
     return -(-last // stride) * shift_every          # ceil(last / stride) moves
+
+
+def flash_post_points(num_steps: int, window_end: int, compress_ratio: float) -> int:
+    """MixGRPO-Flash's point count after the SDE window, sigma_end included, 0 included:
+    int(max((num_steps - window_end + 1) * compress_ratio, 1)) (`dpm_post_compress_ratio`).
+
+    Raises:
+        InvalidRequestError: a ratio outside (0, 1], a window ending at or past the schedule's
+            end, or fewer than 2 points (the schedule would stop short of sigma 0; the
+            reference then ends at sigma_end).
+    """
+    if not 0.0 < compress_ratio <= 1.0:
+        raise InvalidRequestError("compress_ratio must be in (0, 1]", field="compress_ratio",
+                                  expected="(0, 1]", actual=compress_ratio)
+    if not 1 <= window_end < num_steps:
+        raise InvalidRequestError("a higher-order solver after the SDE window needs the window "
+                                  "to end before the last step", field="window_end",
+                                  expected=f"1..{num_steps - 1}", actual=window_end)
+    points = int(max((num_steps - window_end + 1) * compress_ratio, 1))
+    if points < 2:
+        raise InvalidRequestError(f"compress_ratio leaves {points} point after the window: the "
+                                  "schedule would not reach sigma 0", field="compress_ratio",
+                                  expected=f">= {2 / (num_steps - window_end + 1):.4g}",
+                                  actual=compress_ratio)
+    return points
+
+
+def flash_schedule(sigmas: torch.Tensor, window_end: int, compress_ratio: float,
+                   shift: float) -> torch.Tensor:
+    """MixGRPO-Flash's schedule: sigmas[:window_end], then flash_post_points(...) points from
+    sigmas[window_end] to 0, evenly spaced in the schedule's unshifted time t and shifted
+    (sigma = s t / (1 + (s - 1) t)), as MixGRPO's run_sample_step rebuilds it for its
+    DPM-Solver after the window. t at sigmas[window_end] is the shift's inverse there (MixGRPO
+    reads it from linspace(1, 0, N + 1), the same for its shifted-linear tables); the first
+    post point is sigmas[window_end] itself. sigmas: (N+1,) -> (window_end + points,) fp32."""
+    num_steps = int(sigmas.shape[0]) - 1
+    points = flash_post_points(num_steps, window_end, compress_ratio)
+    if not shift > 0:
+        raise InvalidRequestError("the schedule's shift must be > 0", field="shift",
+                                  expected="> 0", actual=shift)
+    sigma_end = sigmas[window_end].double()
+    t_end = sigma_end / (shift - (shift - 1.0) * sigma_end)
+    t = torch.linspace(float(t_end), 0.0, points, dtype=torch.float64)
+    post = shift * t / (1.0 + (shift - 1.0) * t)
+    post[0] = sigma_end
+    return torch.cat([sigmas[:window_end].double(), post.to(sigmas.device)]).to(sigmas.dtype)
+
+
+def check_flash(sampling: SamplingSpec) -> None:
+    """A request's MixGRPO-Flash option against its own schedule: InvalidRequestError naming
+    `sampling.flash_compress` or `sampling.sde_window` (the window must end before the last
+    step and leave >= 2 points after it)."""
+    if sampling.flash_compress is None:
+        return
+    try:
+        flash_post_points(sampling.num_steps, sampling.window[1], sampling.flash_compress)
+    except InvalidRequestError as exc:
+        field = {"window_end": "sampling.sde_window"}.get(exc.field, "sampling.flash_compress")
+        raise InvalidRequestError(exc.message, field=field, expected=exc.expected,
+                                  actual=sampling.window if field.endswith("window")
+                                  else sampling.flash_compress) from None
+
+
+def flash_sigmas(sigmas: torch.Tensor, sampling: SamplingSpec, shift: float) -> torch.Tensor:
+    """The request's table: `sigmas` as is, or `flash_schedule` of it after the SDE window when
+    the request asks for MixGRPO-Flash (`sampling.flash_compress`)."""
+    if sampling.flash_compress is None:
+        return sigmas
+    check_flash(sampling)
+    return flash_schedule(sigmas, sampling.window[1], sampling.flash_compress, shift)
+
+
+def check_flash_table(sampling: SamplingSpec, table_steps: int,
+                      request_id: str | None = None) -> None:
+    """A request's table under MixGRPO-Flash has window_end + flash_post_points - 1 steps (the
+    family's `request_sigmas` compressed it); any other count would run the solver on an
+    uncompressed table. InvalidRequestError naming `sampling.flash_compress`."""
+    check_flash(sampling)
+    end = sampling.window[1]
+    want = end + flash_post_points(sampling.num_steps, end, sampling.flash_compress) - 1
+    if table_steps != want:
+        raise InvalidRequestError("this sigma table is not MixGRPO-Flash's compressed schedule "
+                                  "for the request", field="sampling.flash_compress",
+                                  expected=f"{want} steps", actual=f"{table_steps} steps",
+                                  request_id=request_id)
