@@ -93,9 +93,9 @@ def parse_metadata(meta: Mapping[str, Any], prompt: str, classes: Sequence[str],
         parsed = GenEvalMetadata.model_validate(dict(meta))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
         raise UnscorableInputError(f"scorer {scorer!r}: not GenEval metadata: {first['msg']}",
-                                   field=f"{field}.{loc}" if loc else field,
+                                   field=field + loc,
                                    expected="GenEval metadata", actual=first.get("input")
                                    if not isinstance(first.get("input"), (dict, list)) else
                                    type(first.get("input")).__name__) from None
