@@ -23,7 +23,7 @@ from deployments.metrics import StageMetrics
 from deployments.objects import TRAJECTORY, HolderShards, HolderSpec, ObjectKeeper
 from deployments.policy_store import get_policy_store
 from rollout.config import RolloutConfig
-from rollout.strategy import DiffusionStrategy, build_strategy
+from rollout.strategy import build_strategy
 
 BASE_VERSION = "base"
 
@@ -70,8 +70,6 @@ class DiTRolloutServer:
         its puts)."""
         self.memory_guard = guard_replica_memory("DiTRollout")
         strategy = build_strategy(rollout, limits)     # the graph's limits, as the ingress's
-        if not isinstance(strategy, DiffusionStrategy):
-            raise TypeError("the DiTRollout stage serves the diffusion strategy")
         self.strategy = strategy
         self.engine = strategy.engine
         self.store = get_policy_store(policy_store)

