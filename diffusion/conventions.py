@@ -5,9 +5,9 @@ velocity is v = eps - x0 (it points toward noise). Models read time in one of tw
 
     NOISE_LEVEL:   model time t = scale * sigma,       the model predicts  v        (SD3, Wan, FLUX)
     DATA_PROGRESS: model time t = scale * (1 - sigma), the model predicts -v = x0 - eps
-                   (time runs toward data, so its velocity points toward data; notes section 0)
+                   (time runs toward data, so its velocity points toward data)
 
-Flipping both time and sign leaves every sampler step unchanged (notes section 5 item 4).
+Flipping both time and sign leaves every sampler step unchanged (tests/test_diffusion_conventions.py).
 """
 from __future__ import annotations
 

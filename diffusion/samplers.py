@@ -1,10 +1,10 @@
 """One sampler step from sigma to sigma_next, with the transition's log-probability.
 
-Conventions (notes/rl_algorithms.md section 0): sigma=1 noise, sigma=0 data, v = eps - x0,
+Conventions (diffusion/conventions.py): sigma=1 noise, sigma=0 data, v = eps - x0,
 dt = sigma_next - sigma < 0. Every row may sit at a different step: `sigma` and `sigma_next` are
 (B,) and broadcast over the sample axes. All math is fp32 (bf16 overflows in the log-density).
 
-Kinds (notes section 1.1):
+Kinds:
   SDE        FlowGRPO Euler-Maruyama discretisation of the marginal-preserving reverse SDE
              (Liu et al. 2025, arXiv 2505.05470, eq. 9), std_dev_t = a * sqrt(sigma / (1 - sigma)).
   ODE        deterministic Euler, x + dt * v.
@@ -73,7 +73,7 @@ def _gaussian_elem(prev_sample: torch.Tensor, mean: torch.Tensor,
 
 
 def _surrogate_elem(prev_sample: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """Per-entry CPS surrogate -(x - mean)^2: no 1/(2 std^2), no normaliser (notes 1.1)."""
+    """Per-entry CPS surrogate -(x - mean)^2: no 1/(2 std^2), no normaliser (arXiv 2509.05952)."""
     return -((prev_sample - mean) ** 2)
 
 
@@ -119,7 +119,7 @@ def _finish(mean: torch.Tensor, std: torch.Tensor, sqrt_dt: torch.Tensor,
             ) -> StepOutput:
     """Draw (or take) the next sample of N(mean, std^2 I) and score it."""
     if noise_level == 0:
-        # deterministic: the step is the Euler step and has no density (notes 1.1, last bullet)
+        # deterministic: the step is the Euler step and has no density
         if prev_sample is not None:
             raise InvalidRequestError("a log-prob is undefined at noise_level 0", field="prev_sample",
                                       expected="None", actual="a tensor")
@@ -152,10 +152,10 @@ def _sde_mean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, dt: torch.T
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
              noise_level: float, noise: torch.Tensor | None = None,
              prev_sample: torch.Tensor | None = None) -> StepOutput:
-    """FlowGRPO SDE step (notes 1.1). noise_level is `a` in std_dev_t = a sqrt(sigma/(1-sigma)).
+    """FlowGRPO SDE step (arXiv 2505.05470, eq. 9). noise_level is `a` in std_dev_t = a sqrt(sigma/(1-sigma)).
 
     At sigma == 1 (exact float equality) the denominator uses sigma_next instead of sigma, the
-    reference's guard against 1/0 (notes 6 item 2).
+    reference code's guard against 1/0.
     """
     x, v, sigma, sigma_next, noise, prev_sample = _prepare(x, v, sigma, sigma_next, noise_level,
                                                            noise, prev_sample)
@@ -173,7 +173,7 @@ def dance_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
                    noise: torch.Tensor | None = None,
                    prev_sample: torch.Tensor | None = None) -> StepOutput:
     """DanceGRPO step: the SDE drift with a constant std_dev_t = eta (= noise_level) and
-    transition std eta * sqrt(sigma - sigma_next) (notes 1.1, notes 5 item 3)."""
+    transition std eta * sqrt(sigma - sigma_next) (DanceGRPO's reference code)."""
     x, v, sigma, sigma_next, noise, prev_sample = _prepare(x, v, sigma, sigma_next, noise_level,
                                                            noise, prev_sample)
     dt = sigma_next - sigma

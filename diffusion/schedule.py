@@ -3,7 +3,7 @@
 Reproduces diffusers' `FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift)`
 `.set_timesteps(num_steps).sigmas` without scheduler state, including its behaviour of taking the
 *already shifted* smallest training sigma as the end of the inference linspace and shifting again
-(so the smallest non-zero sigma is shifted twice; see notes/rl_algorithms.md section 6 item 8).
+(so the smallest non-zero sigma is shifted twice; tests/test_diffusion_schedule.py compares).
 Static shift (SD3, Esser et al. 2024, eq. 23): sigma' = s*sigma / (1 + (s-1)*sigma).
 """
 from __future__ import annotations

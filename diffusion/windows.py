@@ -2,7 +2,7 @@
 (MixGRPO-Flash: DPM-Solver++(2M) on a shorter schedule after the window, `flash_schedule`).
 
 All rows of one prompt group must share the same window: per-row windows inflate the reward
-spread within a group and collapse training (notes/rl_algorithms.md section 1.3 and 6 item 5).
+spread within a group and collapse training (Flow-GRPO-Fast draws one window per group).
 So a window is drawn once per group, from a generator the caller seeds per group.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def sample_sde_window(num_steps: int, size: int, window_range: tuple[int, int],
     """Draw one window of `size` steps for one prompt group.
 
     start ~ Uniform{range0, ..., range1 - size} (both ends inclusive), end = start + size
-    (the reference's `random.randint(range[0], range[1] - size)`, notes section 1.3).
+    (Flow-GRPO-Fast's `random.randint(range[0], range[1] - size)`).
     """
     if num_steps < 1:
         raise InvalidRequestError("num_steps must be >= 1", field="num_steps", expected=">= 1",

@@ -2,8 +2,7 @@
 # GPU check of the vLLM-Omni engine (rollout/vllm_omni). Run from the repo root on a CUDA box.
 # Installs into its own venv (.venv-vllm): vllm==0.30.0 pins torch==2.13.0 (CUDA 13 wheels), which
 # must govern there, so the project's CPU constraints.txt (torch==2.14.1) is NOT applied. vllm,
-# vllm-omni and the project resolve in ONE pip call so vllm's torch pin wins (see
-# /work/shared/notes/vllm_omni_api.md 6.2).
+# vllm-omni and the project resolve in ONE pip call so vllm's torch pin wins.
 set -uo pipefail
 VENV=${VENV:-.venv-vllm}
 summary=()

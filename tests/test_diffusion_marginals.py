@@ -1,4 +1,4 @@
-"""Marginal preservation with the exact velocity of 1-D Gaussian data (notes section 5 item 10).
+"""Marginal preservation with the exact velocity of 1-D Gaussian data.
 
 x0 ~ N(1.5, 0.5^2). With the exact v(x, sigma) = E[eps - x0 | x_sigma], the Euler ODE and the
 FlowGRPO SDE carry N(0, 1) at sigma = 1 to the data law as the step count grows. CPS is not
@@ -45,10 +45,10 @@ def test_ode_reaches_the_data_marginal():
 
 
 def test_sde_reaches_the_data_marginal_as_steps_grow():
-    coarse = _run(SamplerKind.SDE, 10, 0.7, shift=3.0)     # the SD3 schedule of the notes
+    coarse = _run(SamplerKind.SDE, 10, 0.7, shift=3.0)     # SD3's shift
     fine = _run(SamplerKind.SDE, 100, 0.7)
     assert abs(fine[0] - MU) < 0.02 and abs(fine[1] - SD) < 0.02
-    # discretisation error shrinks with the step count (std 0.418 at 10 steps in the notes)
+    # discretisation error shrinks with the step count (std 0.418 at 10 steps)
     assert abs(coarse[1] - SD) > abs(fine[1] - SD)
     assert coarse[1] == pytest.approx(0.418, abs=0.02)
 

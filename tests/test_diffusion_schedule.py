@@ -20,7 +20,7 @@ def test_matches_diffusers(num_steps, shift):
     torch.testing.assert_close(ours[:-1] * 1000, scheduler.timesteps, atol=1e-3, rtol=0)
 
 
-def test_sd3_table_from_notes():
+def test_sd3_table_at_ten_steps():
     want = torch.tensor([1.000, 0.960, 0.913, 0.858, 0.790, 0.707, 0.602, 0.465, 0.278, 0.0089, 0])
     torch.testing.assert_close(flow_match_sigmas(10, shift=3.0), want, atol=6e-4, rtol=0)
 

@@ -85,7 +85,7 @@ REAL_API: tuple[ApiName, ...] = tuple(
 )
 
 # LoRARequest is vLLM's msgspec struct re-exported by vllm_omni.lora.request; its fields live in
-# the vllm wheel. These are the three the adapter passes (printed from the real class, see notes).
+# the vllm wheel. These are the three the adapter passes (printed from the real class).
 LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
 
 
