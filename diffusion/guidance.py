@@ -2,7 +2,7 @@
 
 Velocity CFG:  v = v_u + g (v_c - v_u).
 x0 CFG:        x0 = x0_u + g (x0_c - x0_u) with x0_* = x - sigma v_*, then v = (x - x0) / sigma.
-Both are the same map (x0 is affine in v at fixed x, sigma; notes section 1.4); the x0 form is
+Both are the same map (x0 is affine in v at fixed x, sigma); the x0 form is
 what some video models apply, and the trainer must repeat exactly the sampling formula.
 With several streams and guidance rescale (LTX-2) the x0 form is no longer the velocity form:
 `GuidanceForm` declares which one a family uses (applied in diffusion/step.py only).
