@@ -1,5 +1,5 @@
 """Pure, typed RL losses for flow-matching models: FlowGRPO (+ GRPO-Guard), DiffusionNFT,
-Diffusion-DPO, AWM."""
+Diffusion-DPO, AWM; per-node advantages of branched rollouts (TreeGRPO / BranchGRPO)."""
 from contract.enums import Algorithm
 from trainer.algorithms.advantages import (REFERENCE_ZERO_ADVANTAGE, AdvantageMode,
                                            PreferencePairs, StdScope, ZeroAdvantageRule,
@@ -15,6 +15,8 @@ from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, OldLogProbs, W
                                           trainable_step_indices, transition_kl, velocity_kl,
                                           window_step)
 from trainer.algorithms.grpo_guard import PolicyRatio, grpo_guard_loss, guard_ratio
+from trainer.algorithms.tree import (TreeAdvantage, branch_depthwise_advantages, edge_weights,
+                                     node_rewards, tree_advantages, tree_backprop_advantages)
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, ema_update,
                                   nft_loss, nft_timestep_indices, old_decay)
 
@@ -30,5 +32,6 @@ __all__ = [
     "transition_kl", "velocity_kl",
     "window_step", "PolicyRatio", "grpo_guard_loss", "guard_ratio",
     "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",
-    "nft_timestep_indices", "old_decay",
+    "nft_timestep_indices", "old_decay", "TreeAdvantage", "branch_depthwise_advantages",
+    "edge_weights", "node_rewards", "tree_advantages", "tree_backprop_advantages",
 ]
