@@ -117,6 +117,8 @@ STREAM_BOUNDS = "guidance_stream_bounds"   # media input: (1 or B, n + 1) int64 
 
 class GuidanceSpace(str, Enum):
     VELOCITY = "velocity"    # v = v_u + g (v_c - v_u)
+    VELOCITY_NORM = "velocity_norm"   # v_u + g (v_c - v_u), rescaled to |v_c| per token (the
+                                      # state's last axis): Qwen-Image's true CFG
     X0 = "x0"                # per stream on x0 = x - sigma v, deltas, optional rescale
 
 
@@ -152,7 +154,7 @@ class GuidanceForm:
     streams: tuple[GuidanceStream, ...] = (GuidanceStream("state"),)
 
     def __post_init__(self) -> None:
-        if self.space is GuidanceSpace.VELOCITY and self.streams != (GuidanceStream("state"),):
+        if self.space is not GuidanceSpace.X0 and self.streams != (GuidanceStream("state"),):
             raise ConfigError("velocity-space CFG has one stream at the row's scale, no rescale",
                               field="guidance.streams", actual=[s.name for s in self.streams])
 
@@ -163,10 +165,22 @@ class GuidanceForm:
         (n + 1,) stream offsets into the flattened state (needed when n > 1)."""
         if self.space is GuidanceSpace.VELOCITY:
             return cfg_velocity(v_uncond, v_cond, scale)
+        if self.space is GuidanceSpace.VELOCITY_NORM:
+            return cfg_velocity_norm_rescaled(v_uncond, v_cond, scale)
         return x0_stream_guidance(x, sigma, v_uncond, v_cond, scale, self.streams, bounds)
 
 
 VELOCITY_CFG = GuidanceForm()
+NORM_RESCALED_CFG = GuidanceForm(GuidanceSpace.VELOCITY_NORM)
+
+
+def cfg_velocity_norm_rescaled(v_uncond: torch.Tensor, v_cond: torch.Tensor,
+                               scale: float | torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's true CFG: g = v_u + scale (v_c - v_u), then g |v_c| / |g| with the norms
+    over the last axis (each packed token's channels). v_*: (B, *S); scale: a number or (B,)."""
+    guided = cfg_velocity(v_uncond, v_cond, scale)
+    return guided * (torch.linalg.vector_norm(v_cond, dim=-1, keepdim=True) /
+                     torch.linalg.vector_norm(guided, dim=-1, keepdim=True))
 
 
 def x0_stream_guidance(x: torch.Tensor, sigma: torch.Tensor, v_uncond: torch.Tensor,

@@ -96,7 +96,8 @@ REGISTRY_MODULE = "vllm_omni.diffusion.registry"
 REGISTRY_TABLE = "_DIFFUSION_MODELS"
 SERVED_ARCHITECTURES: tuple[str, ...] = (
     "StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline", "WanImageToVideoPipeline",
-    "LTX2Pipeline")
+    "LTX2Pipeline",
+    "QwenImagePipeline")       # vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image
 
 
 def load_real_api() -> SimpleNamespace:

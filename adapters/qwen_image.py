@@ -1,0 +1,304 @@
+"""Qwen-Image from a local diffusers checkpoint (QwenImagePipeline layout).
+
+Components: transformer (QwenImageTransformer2DModel), vae (AutoencoderKLQwenImage, a 3-D causal
+VAE run on one frame), text_encoder (Qwen2_5_VLForConditionalGeneration: its language model's
+last hidden state), tokenizer (Qwen2Tokenizer), scheduler (FlowMatchEulerDiscreteScheduler,
+exponential dynamic shift).
+
+As QwenImagePipeline (diffusers 0.42.1, pipeline_qwenimage.py):
+  ids          the prompt inside the pipeline's chat template (:175) tokenized by the
+               checkpoint's tokenizer; the encoder runs on the ids with their attention mask
+  embeds       hidden_states[-1] of the valid tokens with the template's first 34 tokens dropped
+               (`prompt_template_encode_start_idx`, :176; checked at load: the template up
+               to the prompt is exactly that many tokens), zero-padded to the window with a mask
+               (the transformer masks the padding: pipeline and project agree)
+  state        packed latents (B, (H/16)(W/16), 4 z): 2x2 latent patches as tokens
+  sigmas       linspace(1, 1/N, N) through the scheduler with mu = calculate_shift(seq length)
+               (:598-612), the scheduler's shift_terminal applied by the scheduler
+  model time   timestep = 1000 sigma, the transformer gets timestep / 1000 (NOISE_LEVEL)
+  guidance     true CFG with norm rescaling: `do_true_cfg = true_cfg_scale > 1 and
+               has_neg_prompt` (:564); comb = v_u + g (v_c - v_u), v = comb |v_c| / |comb| over
+               each token's channels (:669-672): diffusion/guidance.py NORM_RESCALED_CFG. The
+               request's guidance_scale is the pipeline's true_cfg_scale. The pipeline guides
+               only with a negative prompt, so a request guided above 1 without one is refused
+               (naming prompt.negative), never guided with an invented unconditional prompt.
+  decode       unpack, z * std + mean per channel, vae.decode(...)[:, :, 0] (:705-714)
+The text encoder's window rejects prompts longer than `max_sequence_length` embedding tokens
+(the pipeline cuts the embeddings silently, :245).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from adapters.checkpoint import read_json, read_model_index
+from adapters.diffusers_parts import FlowSchedule, TokenizingConditioner, encoder_vocab_size
+from adapters.family import (EncoderSpec, ETPPlan, FamilySpec, MediaCondition, ModelFamily,
+                             OneLatentCodec, Overflow, parse_options)
+from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
+                      IOSpec, Layout, Modality, PromptBundle, RequestLimits, Representation,
+                      RolloutRequest, SamplingSpec, Task, TimeConvention)
+from diffusion.guidance import NORM_RESCALED_CFG, CFGRule, GuidanceRule
+
+QWEN = "qwen"                         # the encoder's name (keys its ids in a PromptBundle)
+PIPELINE_CLASSES = ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
+                    "QwenImageInpaintPipeline")
+QWEN_IMAGE_GUIDANCE = GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE,
+                                   source="pipeline_qwenimage.py:564")
+T2I_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
+                "texture, quantity, text, spatial relationships of the objects and background:"
+                "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+T2I_DROP = 34                          # pipeline_qwenimage.py:176
+
+QWEN_IMAGE_LORA_TARGETS = (
+    # dual-stream blocks: image stream, text stream (names as the QwenImage LoRA loader saves)
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+# Qwen2.5-VL's language model, Megatron-split by heads: q / k / v (with their biases) and the
+# gated MLP's gate / up column-parallel, o / down row-parallel, the token embedding
+# vocab-parallel. Grouped-query attention: etp must divide the key/value heads (then it divides
+# the query heads too). The vision tower is replicated: text-to-image prompts never run it, and
+# it is ~8% of the 7B encoder.
+QWEN2_5_VL_ETP_PLAN = ETPPlan(
+    layers="model.language_model.layers",
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+            "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    vocab="model.language_model.embed_tokens", heads="num_key_value_heads")
+
+
+class QwenImageOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sequence_length: int = Field(512, ge=1, le=1024, description="Embedding tokens after "
+                                     "the template's system part (the pipeline's "
+                                     "max_sequence_length).")
+
+
+class QwenImageVAE:
+    """AutoencoderKLQwenImage on single frames: DiT-space z = (z_vae - mean) / std per channel."""
+
+    def __init__(self, root: Path, subfolder: str = "vae"):
+        config = read_json(root, subfolder, "config.json")
+        self.scale_factor = 2 ** len(config.get("temperal_downsample", (False, True, True)))
+        self.z_dim = int(config.get("z_dim", 16))
+        self.mean = torch.tensor(config["latents_mean"], dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.std = torch.tensor(config["latents_std"], dtype=torch.float32).view(1, -1, 1, 1, 1)
+
+    @torch.no_grad()
+    def decode(self, vae: nn.Module, latent: torch.Tensor) -> torch.Tensor:
+        """DiT-space (B, z, h, w) -> uint8 (B, 3, H, W) as the pipeline postprocesses."""
+        param = next(vae.parameters())
+        z = latent.float()[:, :, None] * self.std + self.mean
+        image = vae.decode(z.to(param.device, param.dtype), return_dict=False)[0][:, :, 0]
+        image = (image.float() / 2 + 0.5).clamp(0, 1)
+        return (image * 255).round().to(torch.uint8).cpu()
+
+    @torch.no_grad()
+    def encode(self, vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, 3, H, W) -> DiT-space (B, z, h, w) (the posterior mode, `argmax`)."""
+        param = next(vae.parameters())
+        x = (images.float() / 127.5 - 1.0)[:, :, None]
+        z = vae.encode(x.to(param.device, param.dtype)).latent_dist.mode().float().cpu()
+        return ((z - self.mean) / self.std)[:, :, 0]
+
+
+class QwenConditioner(TokenizingConditioner):
+    """Prompts in the pipeline's template -> ids (once) -> masked last hidden states."""
+
+    def __init__(self, spec: FamilySpec, root: Path, template: str, drop: int):
+        super().__init__(spec, root)
+        self.template, self.drop = template, drop
+
+    def check_template(self) -> None:
+        """The template before the prompt (system turn + user header) must be exactly the
+        `drop` tokens the pipeline drops."""
+        tok = self.tokenizer(self.spec.encoder(QWEN))
+        prefix = self.template.split("{}")[0]
+        count = len(tok(prefix)["input_ids"])
+        if count != self.drop:
+            raise ConfigError("the tokenizer does not make the template's system part the "
+                              "tokens the pipeline drops", field="weights_path.tokenizer",
+                              expected=self.drop, actual=count)
+
+    def tokenize_one(self, encoder: EncoderSpec, text: str,
+                     field: str) -> tuple[tuple[int, ...], bool]:
+        return super().tokenize_one(encoder, self.template.format(text), field)
+
+    def encode(self, encoders: Mapping[str, nn.Module],
+               prompts: list[PromptBundle]) -> Condition:
+        encoder = encoders[QWEN]
+        ids = self.padded(QWEN, prompts)
+        lengths = [len(p.ids_by_encoder(self.spec.encoder_names)[QWEN]) for p in prompts]
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]).long()
+        device = next(encoder.parameters()).device
+        with torch.no_grad():
+            hidden = encoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+        window = ids.shape[1] - self.drop
+        embeds = hidden.new_zeros(len(prompts), window, hidden.shape[-1])
+        keep = torch.zeros(len(prompts), window, dtype=torch.long, device=hidden.device)
+        for i, n in enumerate(lengths):
+            if n <= self.drop:
+                raise InvalidRequestError("the prompt's ids end inside the template's system "
+                                          "part", field=f"prompts[{i}].{QWEN}",
+                                          expected=f"> {self.drop} ids", actual=n)
+            embeds[i, :n - self.drop] = hidden[i, self.drop:n]
+            keep[i, :n - self.drop] = 1
+        return Condition({"prompt_embeds": embeds, "prompt_mask": keep})
+
+
+class QwenImageDenoiser:
+    time_convention = TimeConvention.NOISE_LEVEL
+    model_time_scale = 1000.0       # the pipeline's timestep; the transformer gets it / 1000
+    guidance_form = NORM_RESCALED_CFG
+
+    def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
+        shapes = [tuple(int(v) for v in s) for s in media["img_shapes"][0].tolist()]
+        return models["transformer"](
+            hidden_states=state, timestep=model_time.to(state.dtype) / 1000, guidance=None,
+            encoder_hidden_states=cond["prompt_embeds"],
+            encoder_hidden_states_mask=cond["prompt_mask"],
+            img_shapes=[shapes] * state.shape[0], return_dict=False)[0][:, :state.shape[1]]
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, z, h, w) -> (B, (h/2)(w/2), 4 z): 2x2 patches as tokens (the pipeline's packing)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(B, rows*cols, 4 z) -> (B, z, 2 rows, 2 cols)."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, rows, cols, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, 2 * rows, 2 * cols)
+
+
+class QwenImageCodec(OneLatentCodec):
+    latent_name, label = "image_latent", "Qwen-Image"     # packed tokens (B, L, 4 z)
+
+    def __init__(self, vae: QwenImageVAE, in_channels: int):
+        self.vae, self.in_channels = vae, in_channels
+
+    def grid(self, sampling: SamplingSpec) -> tuple[int, int]:
+        multiple = 2 * self.vae.scale_factor
+        for name in ("height", "width"):
+            value = getattr(sampling, name)
+            if value % multiple:
+                raise InvalidRequestError(f"{self.label} generates sizes divisible by "
+                                          f"{multiple} (VAE x 2x2 packing); nothing is resized",
+                                          field=f"sampling.{name}",
+                                          expected=f"a multiple of {multiple}", actual=value)
+        if sampling.num_frames != 1:
+            raise InvalidRequestError(f"{self.label} generates single images",
+                                      field="sampling.num_frames", expected=1,
+                                      actual=sampling.num_frames)
+        return sampling.height // multiple, sampling.width // multiple
+
+    def state_shape(self, sampling: SamplingSpec) -> tuple[int, ...]:
+        rows, cols = self.grid(sampling)
+        return (rows * cols, self.in_channels)
+
+    def encode_media(self, modules, sampling, media) -> MediaCondition:
+        if media:
+            raise InvalidRequestError("Qwen-Image text-to-image takes no condition media",
+                                      field="media", expected=[],
+                                      actual=sorted(r.value for r in media))
+        rows, cols = self.grid(sampling)
+        return MediaCondition(inputs={"img_shapes": torch.tensor([[[1, rows, cols]]])},
+                              key=(rows, cols))
+
+    def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
+               sampling: SamplingSpec):
+        self.check_latent_name(latent_name)
+        rows, cols = self.grid(sampling)
+        if tuple(latent.shape[1:]) != (rows * cols, self.in_channels):
+            raise InvalidRequestError("the packed latent does not match the sampling size",
+                                      field=f"artifacts.{latent_name}",
+                                      expected=(rows * cols, self.in_channels),
+                                      actual=tuple(latent.shape[1:]))
+        return self.vae.decode(modules["vae"], unpack(latent.float(), rows, cols))
+
+
+def image_io_spec() -> IOSpec:
+    return IOSpec(artifacts=(
+        ArtifactSpec("image_latent", Modality.IMAGE, Representation.LATENT, Layout.TOKENS),
+        ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
+                     source="image_latent")), defaults=("image_latent", "image"))
+
+
+class QwenImageFamily(ModelFamily):
+    """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512)."""
+
+    pipeline_classes = PIPELINE_CLASSES
+    template, drop = T2I_TEMPLATE, T2I_DROP
+
+    def __init__(self, root: str | Path, options: Mapping | None = None):
+        super().__init__(root)
+        index = read_model_index(self.root)
+        self.pipeline_class = index.get("_class_name")
+        if self.pipeline_class not in self.pipeline_classes:
+            raise ConfigError("the checkpoint's pipeline class is not one qwen_image loads "
+                              "over its components", field="weights_path",
+                              expected=list(self.pipeline_classes), actual=self.pipeline_class)
+        self.options = parse_options(QwenImageOptions, options, "qwen_image")
+        transformer = read_json(self.root, "transformer", "config.json")
+        self.schedule = FlowSchedule(self.root)
+        vae = QwenImageVAE(self.root)
+        packed = 4 * vae.z_dim
+        if transformer.get("in_channels") != packed:
+            raise ConfigError("the transformer's channels are not the VAE's packed latents",
+                              field="weights_path.transformer.in_channels", expected=packed,
+                              actual=transformer.get("in_channels"))
+        if transformer.get("guidance_embeds") or transformer.get("zero_cond_t") or \
+                transformer.get("use_additional_t_cond") or transformer.get("use_layer3d_rope"):
+            raise ConfigError("a guidance-distilled, zero-cond-t or layered Qwen-Image "
+                              "transformer is not served", field="weights_path.transformer",
+                              expected="QwenImagePipeline's transformer", actual=transformer)
+        encoders = (EncoderSpec(QWEN, "text_encoder", "tokenizer",
+                                self.drop + self.options.max_sequence_length, Overflow.REJECT,
+                                QWEN2_5_VL_ETP_PLAN,
+                                encoder_vocab_size(self.root, "text_encoder")),)
+        side = 128 * vae.scale_factor       # the pipeline's default_sample_size x VAE: 1024 px
+        self.spec = FamilySpec(
+            name="qwen_image", io_spec=image_io_spec(), tasks={Task.T2I: ()},
+            time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
+            guidance=QWEN_IMAGE_GUIDANCE, transformers=("transformer",),
+            lora_targets={"transformer": QWEN_IMAGE_LORA_TARGETS}, encoders=encoders,
+            decoders={"image_latent": ("vae",)},
+            sampling_defaults={"height": side, "width": side, "num_frames": 1})
+        self.conditioner = QwenConditioner(self.spec, self.root, self.template, self.drop)
+        self.conditioner.check_template()
+        self.denoiser = QwenImageDenoiser()
+        self.codec = QwenImageCodec(vae, packed)
+
+    def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
+        n = sampling.num_steps
+        custom = None if self.schedule.config.get("use_flow_sigmas") else \
+            np.linspace(1.0, 1 / n, n)
+        return self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
+
+    def pipeline_scheduler(self, sampling: SamplingSpec):
+        return self.schedule.scheduler_at(self.sigmas(sampling))
+
+    def schedule_shift(self, sampling: SamplingSpec) -> float:
+        return self.schedule.static_shift(self.codec.state_shape(sampling)[0])
+
+    def validate_request(self, request: RolloutRequest, limits: RequestLimits):
+        if self.spec.guidance.guides(request.sampling.guidance_scale) and \
+                request.prompt.negative is None:
+            raise InvalidRequestError("Qwen-Image runs true CFG only with a negative prompt "
+                                      "(do_true_cfg, pipeline_qwenimage.py:564): give one (\" \" "
+                                      "is the pipeline's usual) or a guidance_scale <= 1",
+                                      field="prompt.negative", expected="a negative prompt",
+                                      actual=None, request_id=request.request_id)
+        return super().validate_request(request, limits)
