@@ -1,18 +1,30 @@
-"""The embedded torch diffusion engine: a step-wise batching loop in its own thread.
+"""The embedded torch diffusion engine: a step-wise batching loop over a persistent batch.
 
 Loop (vLLM v1 shape): admit -> schedule -> execute -> update.
-  admit     new requests join the running set between denoising steps (initial noise per row seed)
-  schedule  pick compatible requests (same adapter state shape, CFG on/off, LoRA version, condition
-            shape) up to max_batch_rows rows; each keeps its own sigmas, window, seeds and step
-  execute   one forward for all picked rows (CFG doubles them with the unconditional branch),
-            then each request's own sampler step with its per-row seeded noise
-  update    record the fp32 trajectory, finish / fail / cancel requests, resolve their futures
+  admit     a request is prepared in the admission thread, outside the engine lock and off the
+            caller's event loop: condition media encoded, its sigma table and model times, its
+            initial noise and the noise of every stochastic step (per-row seeds, drawn once);
+            the loop then adds its rows to the persistent batch of its BatchKey between steps
+  schedule  pick compatible requests (same state shape, CFG on/off, LoRA version, condition
+            shape) up to max_batch_rows rows (engine_state.schedule, pure); each row keeps its
+            own sigma table, step, window, guidance scale and seeds
+  execute   the model runner: one forward for the picked rows, read from the persistent batch
+            (CFG doubles them with the unconditional branch)
+  update    each request's own sampler step (its pre-drawn noise), rows written back in place,
+            forks re-lay a request's rows, finished / failed / cancelled requests retire and
+            resolve their futures
+What cannot share a forward: rows with and without CFG (predict_velocity doubles every row or
+none), different LoRA / full-weight versions (one adapter state per forward), different state
+or condition shapes. Step counts, windows, samplers, noise levels and guidance scales share.
 One request never fails another: a request whose rows make the shared forward raise (found by
 running each request of the failed forward alone) or whose velocity, sample or log-prob is not
 finite (SampleRecorder.propose) fails alone, typed with its request id, and the forward is
 redone without it before any request's step is recorded, so the others' outputs are exactly
 those of a run it never joined. What float32 cannot carry (a noise level whose steps' std
 squares to 0) is refused at admission, before any work.
+Tree / branch rollouts: a request with `forks` splits every row at each fork's step into
+children sharing the row's state and that step's forward, each child with its own noise from
+its own seed; the result carries the tree (RolloutTree) and each leaf's whole trajectory.
 Torch forwards block, so the loop runs in a dedicated thread and `generate` awaits a future:
 the caller's event loop (a Serve replica) stays responsive.
 """
@@ -29,18 +41,19 @@ import torch
 
 from adapters.family import ModelFamily
 from adapters.lora_targets import LoRATargetMap
-from contract import (Condition, InvalidRequestError, LimitExceededError, MediaArtifact,
+from contract import (InvalidRequestError, LimitExceededError, MediaArtifact,
                       OutputContractError, PolicyVersionError, QueueFullError,
                       ReplicaFailedError, RequestCancelledError, RolloutError, SamplerKind,
-                      StopReason, collect_artifacts)
+                      SamplingSpec, StopReason, collect_artifacts)
 from diffusion.conventions import model_time
-from diffusion.noise import initial_noise
-from diffusion.samplers import check_noise_representable
+from diffusion.noise import initial_noise, row_noise
+from diffusion.samplers import DETERMINISTIC, check_noise_representable
 from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity
+from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
-from rollout.engine_api import EngineRequest, EngineResult
-from rollout.engine_state import BatchKey, RequestState, schedule
-from rollout.recorder import ProposedStep, SampleRecorder
+from rollout.engine_api import EngineRequest, EngineResult, RolloutTree
+from rollout.engine_state import BatchKey, PersistentBatch, RequestState, schedule
+from rollout.recorder import ProposedStep, RowFork, SampleRecorder
 from rollout.full_weights import PolicySlots
 from rollout.lora import LoRASlotGroup
 
@@ -70,15 +83,22 @@ class EmbeddedEngine:
                                                self.limits.max_resident_lora_versions),
                                  self.models, self.limits.max_resident_full_versions)
         self._cv = threading.Condition()
+        # a request moves intake -> preparing (admission thread) -> ready -> running (loop)
         self._intake: list[tuple[EngineRequest, concurrent.futures.Future, float]] = []
+        self._preparing: list[tuple[EngineRequest, concurrent.futures.Future, float]] = []
+        self._ready: list[RequestState] = []
         self._running: list[RequestState] = []
+        self._batches: dict[BatchKey, PersistentBatch] = {}      # loop thread only
         self._cancel: set[str] = set()
         self._order = itertools.count()
         self._tick = 0
         self._paused = False
         self._stopped = False
+        self._admission = threading.Thread(target=self._admission_loop,
+                                           name=f"engine-admit-{family.name}", daemon=True)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{family.name}",
                                         daemon=True)
+        self._admission.start()
         self._thread.start()
 
     # ---- public API (DiffusionEngine) -----------------------------------------------------
@@ -86,39 +106,39 @@ class EmbeddedEngine:
         return await asyncio.wrap_future(self.submit(request))
 
     def submit(self, request: EngineRequest) -> concurrent.futures.Future:
-        """Queue a request; returns a future. Full queue -> QueueFullError at once."""
+        """Queue a request; returns a future. Full queue -> QueueFullError at once. Holds the
+        engine lock only to queue it: its preparation runs in the admission thread."""
         rid = request.request.request_id
         rows = request.request.sampling.samples_per_prompt
         if rows > self.limits.max_batch_rows:
             raise LimitExceededError("a request's rows must fit one forward", field="sampling.seeds",
                                      expected=f"<= {self.limits.max_batch_rows}", actual=rows,
                                      request_id=rid)
+        check_forks(request, self.limits.max_batch_rows)
         self.slots.check(request.policy_version, rid)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._stopped:
                 raise ReplicaFailedError("engine is shut down", request_id=rid)
-            pending = len(self._intake) + len(self._running)
+            pending = self._pending_count()
             if pending >= self.limits.max_queue_requests:
                 raise QueueFullError("engine queue is full", field="queue",
                                      expected=f"< {self.limits.max_queue_requests} pending",
                                      actual=pending, request_id=rid)
-            if any(r.request.request_id == rid for r, _, _ in self._intake) or \
-                    any(s.request_id == rid for s in self._running):
+            if rid in self._pending_ids():
                 raise InvalidRequestError("request id is already in flight", field="request_id",
                                           actual=rid, request_id=rid)
             self._intake.append((request, future, time.perf_counter()))
-            self._cv.notify()
+            self._cv.notify_all()
         return future
 
     def cancel(self, request_id: str) -> bool:
         """Fail the request's future with RequestCancelledError before its next step."""
         with self._cv:
-            known = any(r.request.request_id == request_id for r, _, _ in self._intake) or \
-                any(s.request_id == request_id for s in self._running)
+            known = request_id in self._pending_ids()
             if known:
                 self._cancel.add(request_id)
-                self._cv.notify()
+                self._cv.notify_all()
             return known
 
     def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
@@ -149,67 +169,66 @@ class EmbeddedEngine:
         return self.slots.latest
 
     async def sleep(self, level: int = 1) -> None:
-        """Pause stepping between steps (requests stay queued); `wake_up` resumes."""
+        """Pause stepping between steps (requests stay queued and are still prepared);
+        `wake_up` resumes."""
         with self._cv:
             self._paused = True
 
     async def wake_up(self) -> None:
         with self._cv:
             self._paused = False
-            self._cv.notify()
+            self._cv.notify_all()
 
     async def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
-            self._cv.notify()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._cv.notify_all()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._thread.join)
+        await loop.run_in_executor(None, self._admission.join)
+
+    def _pending_count(self) -> int:
+        return len(self._intake) + len(self._preparing) + len(self._ready) + len(self._running)
+
+    def _pending_ids(self) -> set[str]:
+        queued = self._intake + self._preparing
+        return {r.request.request_id for r, _, _ in queued} | \
+            {s.request_id for s in self._ready + self._running}
 
     def _pinned(self) -> frozenset[str]:
         with self._cv:
-            return frozenset({s.request.policy_version for s in self._running} |
-                             {r.policy_version for r, _, _ in self._intake})
+            return frozenset({s.request.policy_version for s in self._running + self._ready} |
+                             {r.policy_version for r, _, _ in self._intake + self._preparing})
 
-    # ---- loop -----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        with torch.inference_mode():   # no autograd bookkeeping (version counters) on the hot path
-            self._run_loop()
-        self._shutdown_pending()
-
-    def _run_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopped and (self._paused or not (self._intake or self._running)):
-                    self._cv.wait()
-                if self._stopped:
-                    break
-                intake, self._intake = self._intake, []
-                cancel, self._cancel = self._cancel, set()
-            for request, future, enqueued in intake:
-                self._admit(request, future, enqueued)
-            self._drop_cancelled(cancel)
-            batch = schedule(self._running, self.limits.max_batch_rows)
-            if not batch:
-                continue
-            try:
-                self._execute(batch)
-            except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
-                for state in batch:       # not one request's: a retryable replica fault
-                    self._fail(state, _step_error(exc, state.request_id)
-                               if isinstance(exc, InvalidRequestError) else exc)
-                continue
-            for state in batch:
-                if state.done:
-                    self._finish(state)
-
-    def _admit(self, request: EngineRequest, future: concurrent.futures.Future,
-               enqueued: float) -> None:
-        if future.cancelled():                       # the caller gave up before admission
-            return
-        try:
-            with self._cv:
-                self._running.append(self._new_state(request, future, enqueued))
-        except Exception as exc:  # noqa: BLE001 - bad input fails this request only
-            future.set_exception(exc)
+    # ---- admission (its own thread) ---------------------------------------------------------
+    def _admission_loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stopped and not self._intake:
+                        self._cv.wait()
+                    if self._stopped:
+                        return
+                    item = self._intake.pop(0)
+                    self._preparing.append(item)
+                request, future, enqueued = item
+                state, error = None, None
+                if not future.done():                    # the caller gave up before admission
+                    try:                                 # outside the lock: submit never waits
+                        state = self._new_state(request, future, enqueued)
+                    except Exception as exc:  # noqa: BLE001 - bad input fails this request only
+                        error = exc
+                with self._cv:
+                    self._preparing.remove(item)
+                    if self._stopped and state is not None:
+                        state, error = None, ReplicaFailedError(
+                            "engine shut down before the request finished",
+                            request_id=request.request.request_id)
+                    if state is not None:
+                        self._ready.append(state)
+                    self._cv.notify_all()
+                if error is not None and not future.done():
+                    future.set_exception(error)
 
     def _new_state(self, request: EngineRequest, future: concurrent.futures.Future,
                    enqueued: float) -> RequestState:
@@ -241,18 +260,80 @@ class EmbeddedEngine:
             frozen = FrozenLatents(media.frozen.mask.expand(rows, *shape).to(self.device),
                                    media.frozen.values.expand(rows, *shape).to(self.device))
             x = frozen.apply(x)
-        cond = request.cond.expand_rows(rows).to(self.device)
-        negative = request.negative.expand_rows(rows).to(self.device) if guided else None
+        if request.cond.rows != 1:
+            raise InvalidRequestError("the engine takes a one-prompt condition", field="cond",
+                                      expected=1, actual=request.cond.rows, request_id=rid)
+        cond = request.cond.to(self.device)
+        negative = request.negative.to(self.device) if guided else None
         if negative is not None and negative.batch_key() != cond.batch_key():
             raise InvalidRequestError("conditional and unconditional prompts must have the same "
                                       "shapes", field="negative", expected=cond.batch_key(),
                                       actual=negative.batch_key(), request_id=rid)
-        inputs = {k: v.to(self.device).expand(rows, *v.shape[1:]) for k, v in media.inputs.items()}
+        inputs = {k: v.to(self.device) for k, v in media.inputs.items()}
         key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
                        media.batch_key())
-        recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen, rid)
+        tree = RolloutTree.build(sampling.seeds, request.forks) if request.forks else None
+        forks = {}
+        if tree is not None:
+            for fork in request.forks:
+                before, after = tree.alive_at(fork.step - 1) if fork.step else \
+                    tuple(range(rows)), tree.alive_at(fork.step)
+                index = torch.tensor([before.index(tree.parents[n]) for n in after],
+                                     dtype=torch.long, device=self.device)
+                forks[fork.step] = RowFork(index, tuple(tree.seeds[n] for n in after))
+        noise = step_noise(sampling, sigmas.shape[0] - 1, shape, tree, self.device)
+        recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen, rid, noise)
         return RequestState(request, future, key, recorder, times.to(self.device), x, cond,
-                            negative, inputs, enqueued, next(self._order))
+                            negative, inputs, enqueued, next(self._order), forks, tree)
+
+    # ---- loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():   # no autograd bookkeeping (version counters) on the hot path
+            self._run_loop()
+        self._shutdown_pending()
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._cv:
+                # idle: wait for everything submitted to be prepared, so requests submitted
+                # together start together; busy: prepared requests join at the next step
+                while not self._stopped and (
+                        self._paused or not (self._ready or self._running) or
+                        (not self._running and (self._intake or self._preparing))):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                ready, self._ready = self._ready, []
+                self._running.extend(ready)
+                cancel, self._cancel = self._cancel, set()
+            for state in ready:
+                self._join(state)
+            self._drop_cancelled(cancel)
+            batch = schedule(list(self._batches.values()), self.limits.max_batch_rows)
+            if not batch:
+                continue
+            try:
+                self._execute(batch)
+            except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests only
+                for state in batch:       # not one request's: a retryable replica fault
+                    self._fail(state, _step_error(exc, state.request_id)
+                               if isinstance(exc, InvalidRequestError) else exc)
+                continue
+            for state in batch:
+                if state.done:
+                    self._finish(state)
+
+    def _join(self, state: RequestState) -> None:
+        """Admit a prepared request's rows into the persistent batch of its key."""
+        batch = self._batches.get(state.key)
+        if batch is None:
+            batch = self._batches[state.key] = PersistentBatch(state.key)
+        try:
+            batch.add(state)
+        except Exception as exc:  # noqa: BLE001 - its rows do not fit the batch: it fails alone
+            if state in batch.states:
+                batch.remove(state)
+            self._fail(state, exc)
 
     def _execute(self, batch: list[RequestState]) -> None:
         """One forward for every row of the batch, then each request's own sampler step. A
@@ -273,37 +354,47 @@ class EmbeddedEngine:
                 sl = slice(offset, offset + state.rows)
                 offset += state.rows
                 try:                                         # its own sampler step
-                    proposed[id(state)] = state.recorder.propose(x[sl], v_all[sl])
+                    proposed[id(state)] = state.recorder.propose(
+                        x[sl], v_all[sl], state.forks.get(state.step))
                 except Exception as exc:  # noqa: BLE001 - this request's step only
                     self._fail(state, _step_error(exc, state.request_id))
                     failed.append(state)
             if failed:                   # redo the forward without them: nothing recorded yet
                 batch = [s for s in batch if s not in failed]
                 continue
-            rows = x.shape[0]
-            for state in batch:
-                state.x = state.recorder.commit(proposed[id(state)])
-                state.batch_rows.append(rows)
-                state.last_tick = self._tick
-                if state.started_at is None:
-                    state.started_at = now
+            self._update(batch, proposed, x.shape[0], now)
             return
 
     def _forward(self, batch: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, guided velocity) of every row of the batch: (R, *S) each, fp32."""
+        """The model runner: (x, guided velocity) of every row of the batch, (R, *S) each,
+        fp32, from the persistent batch's tensors."""
         head = batch[0]
-        x = torch.cat([s.x for s in batch])                                        # (R, *S)
-        sigma = torch.cat([s.recorder.sigmas_now(s.rows)[0] for s in batch])       # (R,)
-        cond = Condition.cat([s.cond for s in batch])
-        scales = torch.cat([torch.full((s.rows,), s.request.request.sampling.guidance_scale)
-                            for s in batch])
-        uncond = Condition.cat([s.negative for s in batch]) if head.key.guided else None
-        media = {k: torch.cat([s.inputs[k] for s in batch]) for k in head.inputs}
-        guidance = Guidance.of(self.family.spec.guidance, scales, uncond)
+        rows = self._batches[head.key].inputs(batch)
+        guidance = Guidance.of(self.family.spec.guidance, rows.scales, rows.negative)
         with self.slots.active(head.key.policy_version):
-            v_all = predict_velocity(self.family.denoiser, self.models, x, sigma, cond, guidance,
-                                     media)                                        # (R, *S) fp32
-        return x, v_all
+            v_all = predict_velocity(self.family.denoiser, self.models, rows.x, rows.sigma,
+                                     rows.cond, guidance, rows.inputs)           # (R, *S) fp32
+        return rows.x, v_all
+
+    def _update(self, batch: list[RequestState], proposed: dict[int, ProposedStep],
+                rows: int, now: float) -> None:
+        """Record every request's step and write its rows back into the persistent batch."""
+        relaid = False
+        persistent = self._batches[batch[0].key]
+        for state in batch:
+            step = proposed[id(state)]
+            x_next = state.recorder.commit(step)
+            if step.fork is not None:                # more rows from here on
+                state.x = x_next
+                relaid = True
+            else:
+                persistent.write(state, x_next)
+            state.batch_rows.append(rows)
+            state.last_tick = self._tick
+            if state.started_at is None:
+                state.started_at = now
+        if relaid:
+            persistent.rows_changed()
 
     def _without_culprits(self, batch: list[RequestState],
                           exc: Exception) -> list[RequestState]:
@@ -325,9 +416,22 @@ class EmbeddedEngine:
         return [s for s in batch if s not in culprits]
 
     # ---- update -----------------------------------------------------------------------------
-    def _finish(self, state: RequestState) -> None:
+    def _retire(self, state: RequestState) -> bool:
+        """Take the request out of the running set and its persistent batch (loop thread)."""
         with self._cv:
+            if state not in self._running:
+                return False
             self._running.remove(state)
+        batch = self._batches.get(state.key)
+        if batch is not None and state in batch.states:
+            batch.remove(state)
+            if not batch:
+                del self._batches[state.key]
+        state.x = state.x.clone()                    # its own rows, not a view of the batch
+        return True
+
+    def _finish(self, state: RequestState) -> None:
+        self._retire(state)
         try:
             result = self._result(state)
         except Exception as exc:  # noqa: BLE001 - an output-contract error fails this request
@@ -355,12 +459,10 @@ class EmbeddedEngine:
                    "batch_rows_max": float(max(state.batch_rows, default=0)),
                    "batch_rows_min": float(min(state.batch_rows, default=0))}
         return EngineResult(rid, latents, trajectory, request.policy_version,
-                            StopReason.FINISHED, metrics)
+                            StopReason.FINISHED, metrics, state.tree)
 
     def _fail(self, state: RequestState, exc: Exception) -> None:
-        with self._cv:
-            if state in self._running:
-                self._running.remove(state)
+        self._retire(state)
         if not isinstance(exc, RolloutError):
             exc = ReplicaFailedError(f"engine step failed: {type(exc).__name__}: {exc}",
                                      request_id=state.request_id)
@@ -374,17 +476,68 @@ class EmbeddedEngine:
                     "request cancelled", field="request_id", actual=state.request_id,
                     request_id=state.request_id))
             elif state.future.cancelled():           # the awaiting caller went away
-                with self._cv:
-                    self._running.remove(state)
+                self._retire(state)
+        if cancel:                                   # cancelled while still being prepared
+            with self._cv:
+                self._cancel |= cancel - {s.request_id for s in self._running}
+                self._cancel &= self._pending_ids()
 
     def _shutdown_pending(self) -> None:
         with self._cv:
-            pending = [f for _, f, _ in self._intake] + [s.future for s in self._running]
-            self._intake, self._running = [], []
+            pending = [f for _, f, _ in self._intake + self._preparing] + \
+                [s.future for s in self._ready + self._running]
+            self._intake, self._ready, self._running = [], [], []
+        self._batches = {}
         for future in pending:
             if not future.done():
                 future.set_exception(ReplicaFailedError("engine shut down before the request "
                                                         "finished"))
+
+
+def check_forks(request: EngineRequest, max_rows: int) -> None:
+    """Refuse, before any work, forks that are out of order, outside the schedule, fork into
+    identical children (no stochastic step from the fork on) or outgrow one forward."""
+    if not request.forks:
+        return
+    sampling, rid = request.request.sampling, request.request.request_id
+    rows, last = sampling.samples_per_prompt, -1
+    for i, fork in enumerate(request.forks):
+        if not last < fork.step < sampling.num_steps:
+            raise InvalidRequestError("forks are at increasing steps inside the schedule",
+                                      field=f"forks[{i}].step",
+                                      expected=f"in ({last}, {sampling.num_steps})",
+                                      actual=fork.step, request_id=rid)
+        if fork.children < 2:
+            raise InvalidRequestError("a fork has at least two children",
+                                      field=f"forks[{i}].children", expected=">= 2",
+                                      actual=fork.children, request_id=rid)
+        if not any(_stochastic(sampling, j) for j in range(fork.step, sampling.num_steps)):
+            raise InvalidRequestError("children of a fork differ only through stochastic steps "
+                                      "after it", field=f"forks[{i}].step",
+                                      expected=f"< {sampling.window[1]} (the SDE window's end)",
+                                      actual=fork.step, request_id=rid)
+        rows, last = rows * fork.children, fork.step
+        if rows > max_rows:
+            raise LimitExceededError("a forked request's rows must fit one forward",
+                                     field=f"forks[{i}].children", expected=f"<= {max_rows} rows",
+                                     actual=rows, request_id=rid)
+
+
+def _stochastic(sampling: SamplingSpec, step: int) -> bool:
+    return sampling.sampler not in DETERMINISTIC and uses_sde(step, sampling.window)
+
+
+def step_noise(sampling: SamplingSpec, num_steps: int, shape: tuple[int, ...],
+               tree: RolloutTree | None, device: torch.device) -> dict[int, torch.Tensor]:
+    """The noise of every stochastic step of a request, (rows at the step, *S) each, drawn once
+    from the seeds of the rows (a fork's children: their own seeds) alive at that step."""
+    out = {}
+    for j in range(num_steps):
+        if _stochastic(sampling, j):
+            seeds = sampling.seeds if tree is None else \
+                tuple(tree.seeds[n] for n in tree.alive_at(j))
+            out[j] = row_noise(seeds, j, shape).to(device, torch.float32)
+    return out
 
 
 def _step_error(exc: Exception, request_id: str) -> Exception:

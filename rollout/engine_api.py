@@ -7,11 +7,76 @@ request asked for plus the fp32 trajectory. Decoding is the decoder stage's job.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from contract import Condition, MediaArtifact, MediaRole, RolloutRequest, StopReason, Trajectory
+from diffusion.noise import NoiseStream, row_seed
+
+
+@dataclass(frozen=True)
+class Fork:
+    """At step `step` every row alive splits into `children` rows that share its state x_step
+    (and the step's forward); from that step on each child draws its noise from its own seed
+    (`child_seed`). The parent row ends there: its path is the children's common prefix."""
+
+    step: int
+    children: int
+
+
+def child_seed(parent_seed: int, step: int, index: int) -> int:
+    """The seed of child `index` of a row with seed `parent_seed` forked at `step`: a SplitMix64
+    hash of the three, so children of one parent, and of different parents, draw unrelated
+    noise streams."""
+    return row_seed(row_seed(parent_seed, NoiseStream.STEP, step), NoiseStream.INITIAL, index + 1)
+
+
+@dataclass(frozen=True)
+class RolloutTree:
+    """The branch structure of a forked request. Nodes in creation order: the request's rows
+    (roots, start 0, parent -1), then each fork's children, parent by parent. The output row r
+    is the leaf `leaves[r]`; its trajectory is its whole root-to-leaf path (the prefix before a
+    node's start step is its parent's, bitwise)."""
+
+    seeds: tuple[int, ...]         # per node: the seed of its noise from its start step on
+    parents: tuple[int, ...]       # per node: the parent node, -1 for a root
+    starts: tuple[int, ...]        # per node: the step it forked at (0 for a root)
+    leaves: tuple[int, ...]        # per output row: its node
+
+    @classmethod
+    def build(cls, seeds: Sequence[int], forks: Sequence[Fork]) -> "RolloutTree":
+        node_seeds, parents, starts = list(seeds), [-1] * len(seeds), [0] * len(seeds)
+        alive = list(range(len(seeds)))
+        for fork in forks:
+            children = []
+            for node in alive:
+                for i in range(fork.children):
+                    node_seeds.append(child_seed(node_seeds[node], fork.step, i))
+                    parents.append(node)
+                    starts.append(fork.step)
+                    children.append(len(node_seeds) - 1)
+            alive = children
+        return cls(tuple(node_seeds), tuple(parents), tuple(starts), tuple(alive))
+
+    def alive_at(self, step: int) -> tuple[int, ...]:
+        """The nodes whose rows run step `step`, in row order."""
+        out = []
+        for leaf in self.leaves:
+            node = leaf
+            while self.starts[node] > step:
+                node = self.parents[node]
+            if not out or out[-1] != node:
+                out.append(node)
+        return tuple(out)
+
+    def ancestor(self, leaf_row: int, step: int) -> int:
+        """The node output row `leaf_row` ran step `step` as (per-node advantages group leaves
+        by it)."""
+        node = self.leaves[leaf_row]
+        while self.starts[node] > step:
+            node = self.parents[node]
+        return node
 
 
 @dataclass(frozen=True)
@@ -24,6 +89,8 @@ class EngineRequest:
     latent_artifacts: tuple[str, ...]        # latent artifact names to return
     media: Mapping[MediaRole, torch.Tensor]  # canonical condition media (decoded)
     policy_version: str                      # resolved version to sample with
+    forks: tuple[Fork, ...] = ()             # tree / branch rollout: forks at increasing steps;
+                                             # rows out = samples_per_prompt x prod(children)
 
 
 @dataclass(frozen=True)
@@ -34,6 +101,7 @@ class EngineResult:
     policy_version: str
     stop_reason: StopReason
     metrics: Mapping[str, float]
+    tree: RolloutTree | None = None          # the branch structure when the request forked
 
 
 @runtime_checkable

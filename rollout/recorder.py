@@ -17,10 +17,16 @@ it computes, row by row, and raises NonFiniteOutputError for this request withou
 state; `commit` then records the step (`advance` = both). An engine that batches requests
 proposes every request's step before committing any, so a request that fails its step can be
 taken out and the others' forward redone without it.
+
+An engine may hand the recorder every stochastic step's noise at construction (`noise`, drawn
+once per request ahead of its first step) and fork its rows: a step proposed with `fork` runs
+the rows picked by its index (children sharing their parent's state and forward) and its commit
+re-indexes the recorded prefix the same way, so each child's trajectory is its whole path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -38,6 +44,15 @@ class ProposedStep:
     step: int
     x: torch.Tensor                 # (B, *S) the state the step started from
     out: StepOutput
+    fork: "RowFork | None" = None   # the rows were forked at this step
+
+
+@dataclass(frozen=True)
+class RowFork:
+    """Rows forked at a step: new row i continues old row index[i] with seed seeds[i]."""
+
+    index: torch.Tensor             # (B',) long, into the rows before the fork
+    seeds: tuple[int, ...]          # (B',)
 
 
 def check_finite(value: torch.Tensor, field: str, request_id: str | None) -> None:
@@ -53,9 +68,14 @@ def check_finite(value: torch.Tensor, field: str, request_id: str | None) -> Non
 
 class SampleRecorder:
     def __init__(self, sampling: SamplingSpec, sigmas: torch.Tensor,
-                 frozen: FrozenLatents | None = None, request_id: str | None = None):
+                 frozen: FrozenLatents | None = None, request_id: str | None = None,
+                 noise: Mapping[int, torch.Tensor] | None = None):
+        """noise: step -> (rows at that step, *S) fp32 noise of every stochastic step, drawn
+        ahead; None = drawn per step from the rows' seeds."""
         self.request_id = request_id
         self.sampling = sampling
+        self.seeds = tuple(sampling.seeds)         # per current row
+        self.noise = noise
         self.sigmas = sigmas                       # (N+1,) fp32 on the engine's device
         self.frozen = frozen
         self.step = 0
@@ -91,22 +111,31 @@ class SampleRecorder:
         window. x, v: (B, *S) fp32. Returns x at the next sigma."""
         return self.commit(self.propose(x, v))
 
-    def propose(self, x: torch.Tensor, v: torch.Tensor) -> ProposedStep:
+    def propose(self, x: torch.Tensor, v: torch.Tensor,
+                fork: RowFork | None = None) -> ProposedStep:
         """The current step from the guided velocity v, computed and checked finite (velocity,
-        sample, log-prob) but not recorded. x, v: (B, *S) fp32."""
+        sample, log-prob) but not recorded. x, v: (B, *S) fp32, the rows before a fork (the
+        step runs the forked rows x[fork.index])."""
         j, kind = self.step, self.kind()
         check_finite(v, f"velocity[step {j}]", self.request_id)
+        frozen, history, seeds = self.frozen, self.history, self.seeds
+        if fork is not None:
+            x, v = x[fork.index], v[fork.index]
+            frozen = None if frozen is None else frozen.index_select(fork.index)
+            history = None if history is None else SolverHistory(history.x0[fork.index],
+                                                                 history.sigma[fork.index])
+            seeds = fork.seeds
         sigma, sigma_next = self.sigmas_now(x.shape[0])
         noise = None
         if kind not in DETERMINISTIC:
-            noise = row_noise(self.sampling.seeds, j, tuple(x.shape[1:])).to(x.device,
-                                                                               torch.float32)
+            noise = self.noise[j] if self.noise is not None else \
+                row_noise(seeds, j, tuple(x.shape[1:])).to(x.device, torch.float32)
         out = transition(kind, x, v, sigma, sigma_next, self.sampling.noise_level, noise,
-                         frozen=self.frozen, history=self.history)
+                         frozen=frozen, history=history)
         check_finite(out.prev_sample, f"latents[step {j}]", self.request_id)
         if out.log_prob is not None:
             check_finite(out.log_prob, f"log_probs[step {j}]", self.request_id)
-        return ProposedStep(j, x, out)
+        return ProposedStep(j, x, out, fork)
 
     def commit(self, proposed: ProposedStep) -> torch.Tensor:
         """Record a proposed step (the window's latents and log-probs); returns x at the next
@@ -114,6 +143,13 @@ class SampleRecorder:
         j, out = proposed.step, proposed.out
         if j != self.step:
             raise RuntimeError(f"step {j} was proposed, the recorder is at step {self.step}")
+        if proposed.fork is not None:                # the recorded prefix, per child
+            index = proposed.fork.index
+            self.latents = [t[index.to(t.device)] for t in self.latents]
+            self.log_probs = [t[index.to(t.device)] for t in self.log_probs]
+            if self.frozen is not None:
+                self.frozen = self.frozen.index_select(index)
+            self.seeds = proposed.fork.seeds
         start, end = self.window
         if j == start:
             self.latents.append(proposed.x.float().clone())
@@ -133,6 +169,6 @@ class SampleRecorder:
             latents=torch.stack(self.latents, dim=1).cpu(),                         # (B, W+1, *S)
             sigmas=self.sigmas.cpu(), model_timesteps=model_times.cpu(),
             log_probs=log_probs.cpu(), window=self.window, sampler=s.sampler,
-            noise_level=s.noise_level, guidance_scale=s.guidance_scale, seeds=s.seeds,
+            noise_level=s.noise_level, guidance_scale=s.guidance_scale, seeds=self.seeds,
             policy_version=policy_version,
             frozen_mask=None if self.frozen is None else self.frozen.mask[:1].cpu())
