@@ -1,0 +1,304 @@
+"""MiniMax-H3 from a tiny modular-layout checkpoint against diffusers' MiniMaxH3ModularPipeline
+(MiniMaxH3Blocks): the same initial video / audio noise and step count give the same latents of
+both streams (fp32, <= 1e-4), decoded frames within one level and audio within 1e-4, for t2va
+and for fl2va with a first, a last and both keyframes (the keyframes' presentation through the
+Qwen3-VL conditioner equal to the pipeline's prompt_embeds); the two schedules; the Qwen3-VL
+ETP plan sharded over 2 gloo ranks equal to the unsharded encoder; typed bad input."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapters.minimax_h3 import KEYFRAME_ROWS, QWEN3_VL, MiniMaxH3Family
+from contract import (ConfigError, GuidanceKind, InvalidRequestError, MediaFormatError,
+                      MediaInput, MediaRole, Modality, RequestLimits, RolloutRequest, SamplerKind,
+                      SamplingSpec, Task)
+from diffusion.noise import initial_noise
+from diffusion.step import Guidance, denoise_step
+
+torch.set_num_threads(1)
+
+SIZE = {"height": 32, "width": 64, "num_frames": 124}
+STEPS, SEED = 3, 7
+PROMPT = "a red ball bounces"
+_gen = torch.Generator().manual_seed(5)
+FIRST = torch.randint(0, 256, (3, 32, 64), generator=_gen, dtype=torch.uint8)
+LAST = torch.randint(0, 256, (3, 32, 64), generator=_gen, dtype=torch.uint8)
+KEYFRAMES = {MediaRole.FIRST_FRAME: FIRST, MediaRole.LAST_FRAME: LAST}
+LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
+
+
+def _cache_key() -> str:
+    digest = hashlib.sha256()
+    builder = Path(__file__).resolve().parent.parent / "scripts" / "tiny_minimax_h3.py"
+    for path in (builder, builder.parent / "tiny_tokenizers.py", builder.parent /
+                 "tiny_families.py"):
+        digest.update(path.read_bytes() + b"\0")
+    for lib in LIBRARIES:
+        digest.update(f"{lib}=={version(lib)}\0".encode())
+    return digest.hexdigest()[:20]
+
+
+@pytest.fixture(scope="session")
+def minimax_root(tmp_path_factory) -> Path:
+    """This session's copy of the tiny checkpoint, built once per builder / library version."""
+    from scripts.tiny_minimax_h3 import NAME, build
+    cache = Path(os.environ.get("OMNI_TINY_CHECKPOINT_CACHE") or Path.home() / ".cache" /
+                 "omni-rollout" / "tiny-checkpoints") / f"minimax_h3-{_cache_key()}"
+    if not (cache / NAME).is_dir():
+        staging = Path(tmp_path_factory.mktemp("minimax_h3_build"))
+        build(staging)
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            (staging / NAME).rename(cache / NAME)
+        except OSError:
+            shutil.copytree(staging / NAME, cache / NAME, dirs_exist_ok=True)
+    return Path(shutil.copytree(cache / NAME, tmp_path_factory.mktemp("minimax_h3") / NAME))
+
+
+@pytest.fixture(scope="module")
+def setup(minimax_root):
+    from diffusers import MiniMaxH3Blocks
+
+    from adapters.sample import LocalModels
+    family = MiniMaxH3Family(minimax_root)
+    models = LocalModels.load(family)
+    processor = family.load("processor")
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(
+        text_encoder=models.encoders[QWEN3_VL], transformer=models.transformers["transformer"],
+        vae=models.decoders["video_latent"]["vae"],
+        audio_vae=models.decoders["audio_latent"]["audio_vae"],
+        tokenizer=family.load("tokenizer"), processor=processor,
+        scheduler=family.load("scheduler"), audio_scheduler=family.load("audio_scheduler"))
+    return family, models, processor, pipe
+
+
+def sampling(**over) -> SamplingSpec:
+    fields = {"num_steps": STEPS, "guidance_scale": 1.0, "seeds": (SEED,), **SIZE, **over}
+    return SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, **fields)
+
+
+def run_ours(family, models, processor, media: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(initial state, final state) of one row through diffusion.step with the family's parts."""
+    s = sampling()
+    bundle = family.conditioner.tokenize([PROMPT])[0]
+    cond = family.conditioner.encode(models.encoders, [bundle]) if not media else \
+        family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor, bundle,
+                                               list(media.values()))
+    mc = family.codec.encode_media(models.media, s, media)
+    sigmas = family.sigmas(s)
+    x0 = initial_noise([SEED], family.codec.state_shape(s))
+    x = x0
+    for i in range(STEPS):
+        x = denoise_step(family.denoiser, models.transformers, x, sigmas[i].expand(1),
+                         sigmas[i + 1].expand(1), cond, Guidance.none(1), SamplerKind.ODE, 0.0,
+                         media=mc.inputs).prev_sample
+    return x0, x, cond
+
+
+def run_pipeline(family, pipe, x0: torch.Tensor, media: dict, outputs):
+    from PIL import Image
+    layout = family.codec.layout(sampling())
+    video, audio = layout.tokens(x0)
+    kwargs = {}
+    pil = lambda t: Image.fromarray(t.permute(1, 2, 0).contiguous().numpy())   # noqa: E731
+    if MediaRole.FIRST_FRAME in media:
+        kwargs["image"] = pil(media[MediaRole.FIRST_FRAME])
+    if MediaRole.LAST_FRAME in media:
+        kwargs["last_image"] = pil(media[MediaRole.LAST_FRAME])
+    return pipe(prompt=PROMPT, num_inference_steps=STEPS + 1, latents=layout.unpack_video(video),
+                audio_latents=audio[0].reshape(2, layout.audio, -1).permute(0, 2, 1),
+                generator=torch.Generator().manual_seed(SEED), output_type="pt",
+                output=list(outputs), **SIZE, **kwargs)
+
+
+def pipeline_audio_rows(audio_latents: torch.Tensor) -> torch.Tensor:
+    """The pipeline's (2, Ca, L) audio latents -> our channel-major rows (1, 2L, Ca)."""
+    return audio_latents.permute(0, 2, 1).reshape(1, -1, audio_latents.shape[1])
+
+
+ROLE_SETS = {"t2va": (), "first": (MediaRole.FIRST_FRAME,), "last": (MediaRole.LAST_FRAME,),
+             "first_last": (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)}
+
+
+@pytest.mark.parametrize("case", list(ROLE_SETS))
+def test_latents_and_media_equal_the_modular_pipeline(setup, case):
+    family, models, processor, pipe = setup
+    media = {r: KEYFRAMES[r] for r in ROLE_SETS[case]}
+    x0, x, cond = run_ours(family, models, processor, media)
+    decode = case in ("t2va", "first_last")
+    out = run_pipeline(family, pipe, x0, media, ["latents", "audio_latents", "prompt_embeds"] +
+                       (["videos", "audio"] if decode else []))
+    ours = family.codec.split_state(x, sampling())
+    assert torch.equal(cond["prompt_embeds"][:, :int(cond["text_length"][0])],
+                       out["prompt_embeds"].float())
+    video_diff = (ours["video_latent"] - out["latents"]).abs().max().item()
+    audio_diff = (ours["audio_latent"] - pipeline_audio_rows(out["audio_latents"])).abs().max()
+    assert video_diff <= 1e-4 and float(audio_diff) <= 1e-4, (video_diff, float(audio_diff))
+    assert (ours["video_latent"] - x0.new_zeros(1)).abs().max() > 0.1      # it moved
+    if decode:
+        s = sampling()
+        frames = family.codec.decode("video_latent", models.decoders["video_latent"],
+                                     ours["video_latent"], s)
+        want = (out["videos"] * 255).round().to(torch.uint8)
+        assert frames.shape == want.shape == (1, 124, 3, 32, 64)
+        assert (frames.int() - want.int()).abs().max() <= 1
+        audio = family.codec.decode("audio_latent", models.decoders["audio_latent"],
+                                    ours["audio_latent"], s)
+        assert audio.shape == out["audio"].shape == (1, 2, 165600)
+        assert (audio - out["audio"]).abs().max() <= 1e-4
+
+
+def test_two_schedules_are_the_pipelines(setup):
+    """The video table is the `scheduler`'s sigmas, the audio rows step down the
+    `audio_scheduler`'s; both are what set_timesteps(steps + 1) builds."""
+    family, _, _, pipe = setup
+    s = sampling(num_steps=5)
+    pipe.scheduler.set_timesteps(6)
+    pipe.audio_scheduler.set_timesteps(6)
+    assert torch.equal(family.sigmas(s), pipe.scheduler.sigmas.float())
+    assert torch.equal(family.audio_sigmas(s), pipe.audio_scheduler.sigmas.float())
+    assert not torch.equal(family.sigmas(s), family.audio_sigmas(s))
+    # off the table the coupling is continuous: g(s) through the shared base grid
+    video, audio = family.sigmas(s), family.audio_sigmas(s)
+    sa, _ = family.schedules.audio_sigma(video[1:-1])
+    assert torch.allclose(sa, audio[1:-1], atol=1e-6)
+
+
+def test_state_artifacts_round_trip(setup):
+    family = setup[0]
+    s = sampling(seeds=(1, 2))
+    x = initial_noise([1, 2], family.codec.state_shape(s))
+    latents = family.codec.split_state(x, s)
+    assert latents["video_latent"].shape == (2, 8, 37, 2, 4)
+    assert latents["audio_latent"].shape == (2, 2 * 207, 8)
+    assert torch.equal(family.codec.join_state(latents, s), x)
+
+
+def test_spec_declares_no_guidance_and_two_decoders(setup):
+    spec = setup[0].spec
+    assert spec.guidance.kind is GuidanceKind.NONE
+    assert spec.guidance.source.startswith("minimax_h3/denoise.py:")
+    assert spec.decoders == {"video_latent": ("vae",), "audio_latent": ("audio_vae",)}
+    rates = {a.name: a.sample_rate for a in spec.io_spec.artifacts}
+    assert rates["audio"] == 32000
+
+
+def request(family, media=(), **over) -> RolloutRequest:
+    bundle = family.conditioner.tokenize([PROMPT])[0]
+    task = Task.FL2VA if media else Task.T2VA
+    return RolloutRequest(request_id="r1", task=task, prompt=bundle, sampling=sampling(**over),
+                          media=tuple(MediaInput(Modality.IMAGE, role, data)
+                                      for role, data in media))
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"num_frames": 125}, "sampling.num_frames"),           # not 17 n + 5: nothing is rounded
+    ({"num_frames": 107}, "sampling.num_frames"),           # under 5 s
+    ({"height": 48}, "sampling.height"),                    # not a multiple of 32
+    ({"width": 160}, "sampling.width"),                     # 5:1 is outside 1:4 .. 4:1
+    ({"guidance_scale": 3.0}, "sampling.guidance_scale"),   # guidance-distilled
+])
+def test_bad_sizes_and_guidance_are_typed_errors(setup, over, field):
+    family = setup[0]
+    with pytest.raises(InvalidRequestError) as err:
+        family.validate_request(request(family, **over), RequestLimits())
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("frame, field", [
+    (torch.zeros(3, 64, 64, dtype=torch.uint8), "media.first_frame"),     # wrong size
+    (torch.zeros(3, 32, 64, dtype=torch.float32), "media.first_frame"),   # wrong dtype
+    (torch.zeros(4, 32, 64, dtype=torch.uint8), "media.first_frame"),     # wrong channels
+])
+def test_keyframes_of_another_size_are_refused_not_resized(setup, frame, field):
+    family, models = setup[0], setup[1]
+    with pytest.raises(MediaFormatError) as err:
+        family.codec.encode_media(models.media, sampling(), {MediaRole.FIRST_FRAME: frame})
+    assert err.value.field == field
+
+
+def test_keyframe_roles_and_counts(setup):
+    family, models = setup[0], setup[1]
+    with pytest.raises(InvalidRequestError) as err:     # a reference is not a keyframe
+        family.codec.encode_media(models.media, sampling(), {MediaRole.REFERENCE: FIRST})
+    assert err.value.field == "media"
+    mc = family.codec.encode_media(models.media, sampling(seeds=(1, 2)), dict(KEYFRAMES))
+    rows = mc.inputs[KEYFRAME_ROWS]
+    assert rows.shape == (2, 2 * 2, 8 * 4)        # per row seed: 2 keyframes x 2 rows each
+    assert not torch.equal(rows[0], rows[1])      # each row's own noise draw
+    with pytest.raises(InvalidRequestError) as err:   # the graph does not serve fl2va yet
+        family.validate_request(request(family, media=[(MediaRole.FIRST_FRAME, FIRST)]),
+                                RequestLimits())
+    assert err.value.field == "task"
+
+
+# ---- ETP: the Qwen3-VL conditioner split over 2 gloo ranks ------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _etp_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from deployments.etp import shard_encoder
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        family = MiniMaxH3Family(root)
+        encoder = family.load_encoders()[QWEN3_VL]
+        sharded = shard_encoder(encoder, family.spec.encoder(QWEN3_VL).etp, world, "cpu")
+        bundles = family.conditioner.tokenize([PROMPT, "a small dog sings"])
+        text = family.conditioner.encode({QWEN3_VL: sharded}, bundles)
+        shown = family.conditioner.encode_presentation(sharded, family.load("processor"),
+                                                       bundles[0], [FIRST, LAST])
+        q = sharded.get_submodule("model.language_model.layers.0.self_attn.q_proj").weight
+        if rank == 0:
+            torch.save({"text": dict(text.tensors), "shown": dict(shown.tensors),
+                        "q_rows": q.to_local().shape[0] if hasattr(q, "to_local")
+                        else q.shape[0]}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration          # two spawned ranks (about a minute on the 2-core machine)
+def test_qwen3_vl_etp2_equals_unsharded(setup, minimax_root, tmp_path):
+    import torch.multiprocessing as mp
+    family, models, processor, _ = setup
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_etp_rank, args=(2, _free_port(), str(minimax_root), str(out)),
+                       nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out)
+    bundles = family.conditioner.tokenize([PROMPT, "a small dog sings"])
+    text = family.conditioner.encode(models.encoders, bundles)
+    shown = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
+                                                   bundles[0], [FIRST, LAST])
+    assert got["q_rows"] == 4 * 8 // 2                 # each rank holds half the query heads
+    for ref, name in ((text, "text"), (shown, "shown")):
+        for key, value in ref.tensors.items():
+            assert torch.allclose(got[name][key].float(), value.float(), atol=1e-5), key
+
+
+def test_qwen3_vl_etp_plan_checks_heads(setup):
+    from deployments.etp import check_family_etp, tp_plan
+    family, models = setup[0], setup[1]
+    plan = family.spec.encoder(QWEN3_VL).etp
+    names = tp_plan(models.encoders[QWEN3_VL], plan, 2)
+    assert len(names) == 1 + 51 * 7                     # embedding + 7 linears per layer
+    assert check_family_etp(family, 2) == 2
+    with pytest.raises(ConfigError) as err:             # 2 key/value heads: 4 does not divide
+        check_family_etp(family, 4)
+    assert err.value.field == "etp" and err.value.actual == 4
+    assert err.value.expected == [1, 2]
