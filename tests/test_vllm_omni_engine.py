@@ -1,5 +1,5 @@
 """The vLLM-Omni engine end to end on CPU: real adapter + real tiny SD3 DiT + our sampler, run by
-RolloutPipeline inside the AsyncOmni fake (rollout/vllm_omni/fake.py)."""
+RolloutPipeline inside the AsyncOmni fake (testing/vllm_omni_fake.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,7 @@ from contract import (LoRAMapError, MissingArtifactError, PolicyVersionError,
                       UnexpectedArtifactError)
 from rollout.engine_api import DiffusionEngine, EngineRequest
 from rollout.vllm_omni.engine import VllmOmniEngine
-from rollout.vllm_omni.fake import fake_api
+from testing.vllm_omni_fake import fake_api
 from rollout.vllm_omni.lowering import normalize_output
 
 torch.set_num_threads(1)
@@ -219,7 +219,7 @@ def test_importing_the_project_does_not_import_vllm():
     code = ("import sys, importlib\n"
             "mods = ['rollout', 'rollout.engine_api', 'rollout.vllm_omni', 'rollout.vllm_omni.api',"
             " 'rollout.vllm_omni.engine', 'rollout.vllm_omni.lowering', 'rollout.vllm_omni.lora',"
-            " 'rollout.vllm_omni.pipeline', 'rollout.vllm_omni.fake']\n"
+            " 'rollout.vllm_omni.pipeline', 'testing.vllm_omni_fake']\n"
             "for m in ['rollout.strategy', 'rollout.engine', 'rollout.config']:\n"
             "    try: importlib.import_module(m)\n"
             "    except ImportError: pass\n"

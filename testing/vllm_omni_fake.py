@@ -1,7 +1,7 @@
 """A CPU stand-in for vLLM-Omni 0.30's AsyncOmni, for tests on machines without a GPU.
 
-It mirrors the real names, signatures and behaviours this engine relies on (see api.REAL_API and
-the notes): `AsyncOmni(model, **kwargs)` loading the custom pipeline by qualified name with
+It mirrors the real names, signatures and behaviours rollout/vllm_omni/engine.py relies on (see
+rollout/vllm_omni/api.py REAL_API, checked against the wheel on the GPU machine): `AsyncOmni(model, **kwargs)` loading the custom pipeline by qualified name with
 `od_config.model` / `custom_pipeline_args`; `generate(prompt, sampling_params=None,
 request_id="", *, sampling_params_list=None, ...)` as an async generator of request outputs,
 refusing list prompts (ValueError) and requests while asleep (RuntimeError);
