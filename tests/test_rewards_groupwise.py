@@ -253,3 +253,7 @@ def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, t
     metrics = UPDATES[Algorithm.FLOW_GRPO](learner, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
+    # the step's report (trainer/reporting.py): distinct ranks tie no group
+    assert metrics["zero_adv_group_share"] == 0.0 and metrics["dropped_group_share"] == 0.0
+    assert metrics["flow_grpo/ratio_mean"] == metrics["ratio_mean"]
+    assert metrics["flow_grpo/clipfrac"] == metrics["clipfrac"]

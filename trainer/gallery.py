@@ -13,6 +13,7 @@ import torch
 
 from adapters.family import ModelFamily
 from contract import Modality, Representation, RolloutOutput
+from trainer.reporting import scorer_summary
 
 
 def _decoded(outputs: Sequence[RolloutOutput], modality: Modality) -> torch.Tensor | None:
@@ -32,7 +33,8 @@ def record(run_dir: Path, adapter: ModelFamily, step: int,
     if video is not None:
         path = _clips(root, tag, step, outputs, video, _decoded(outputs, Modality.AUDIO))
         (root / f"{tag}_rewards.txt").write_text("".join(
-            f"{p}: {c}\n" for p, c in zip(_row_prompts(outputs, prompts), captions)))
+            f"{p}: {c}\n" for p, c in zip(_row_prompts(outputs, prompts), captions)) + "".join(
+            f"group {i}: {s}\n" for i, s in enumerate(group_summaries(outputs))))
         return path
     if image is None:
         raise ValueError("evaluation outputs carry no decoded image or video to show")
@@ -41,8 +43,9 @@ def record(run_dir: Path, adapter: ModelFamily, step: int,
         {"images": image, "captions": captions}
     if isinstance(first, torch.Tensor):               # a run folder from before captions
         first = {"images": first, "captions": [""] * first.shape[0]}
-    grid = captioned_grid(list(prompts or [f"prompt {i}" for i in range(len(outputs))]),
-                          len(outputs[0].seeds), (first["images"], first["captions"]),
+    texts = [f"{p}  [{s}]" if s else p for p, s in
+             zip(prompts or [f"prompt {i}" for i in range(len(outputs))], group_summaries(outputs))]
+    grid = captioned_grid(texts, len(outputs[0].seeds), (first["images"], first["captions"]),
                           (image, captions), step)
     grid.save(root / "gallery.png")
     return root / "gallery.png"
@@ -61,6 +64,12 @@ def sample_captions(outputs: Sequence[RolloutOutput]) -> list[str]:
                 parts.append(f"{name} " + ("missing" if vals[i] is None else f"{vals[i]:.3f}"))
             out.append(" | ".join(parts))
     return out
+
+
+def group_summaries(outputs: Sequence[RolloutOutput]) -> list[str]:
+    """Per prompt group: each scorer's mean+-std over the group (trainer/reporting.py), so a
+    scorer rising while another falls shows beside the samples."""
+    return [scorer_summary(o.rewards.values) if o.rewards is not None else "" for o in outputs]
 
 
 def _row_prompts(outputs, prompts):
