@@ -31,6 +31,7 @@ from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pai
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
+from trainer.reporting import group_shares, ratio_report
 from trainer.rollout_batch import Batch
 from trainer.train_noise import Draw, pair_sigmas, row_randn, row_timesteps
 
@@ -59,6 +60,7 @@ def advantages(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig, adv_clip_
                "zero_adv_rows": float((adv == 0).sum()),
                "adv_abs_mean": float(adv.abs().mean())}
     drop = zero_advantage_rows(adv, batch.group_ids, rule)
+    metrics |= group_shares(batch.group_ids, tied, drop)
     if not drop.any():
         return batch, adv, metrics | {"trained_rows": float(batch.rows)}
     keep = torch.nonzero(~drop).flatten()
@@ -190,6 +192,7 @@ def run_update(learner: Learner, plan: UpdatePlan, cfg: TrainerConfig) -> dict[s
     for batch, values, unit, weight in work:
         RUNS[plan.algorithm](learner, batch, values, unit, weight, plan, cfg, sums)
     metrics = dict(plan.metrics) | learner.reduce_sums(sums)
+    metrics |= ratio_report(plan.algorithm, metrics)
     metrics["grad_norm"] = learner.step()
     return metrics
 
