@@ -15,12 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.refusal_bench import LIMITS as OVERSIZED_LIMITS
-from bench.refusal_bench import OVERSIZED
 from contract import (ConfigError, GraphResult, MediaArtifact, PackedTensors, PolicyVersionError,
                       RequestLimits, RolloutRequest, SamplingSpec, ScoreStatus, Task,
                       UndeclaredArtifactError, UnscorableInputError)
 from deployments.config import load_graph_config
+from testing.oversized import LIMITS as OVERSIZED_LIMITS
+from testing.oversized import OVERSIZED
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -282,11 +282,10 @@ def test_http_browser_reachable_requests_are_refused_through_serve(graph, ray_cl
 def test_oversized_requests_are_refused_without_growing_the_ingress(graph, ray_cluster):
     """Each oversized body once to warm the path (Serve's body delivery and the allocator's
     first growth), then 3 of each from a reset peak: the ingress's peak RSS over them stays
-    under 64 MiB, where 10^9 seeds alone would be 8 GB. Measured: 0 MiB for the small bodies;
-    8.5 MiB for the 500 KB one, which malloc's arenas keep a while (bench/refusal_bench.py: 16.8
-    over 10 posts, 24.9 over 40, given back later; not a leak). The ingress's own time per
-    refusal (Server-Timing) is printed, not asserted (bench/results/refusal.json has it beside a
-    valid request's). The allocation-free refusal itself is checked exactly, in process, by
+    under 64 MiB, where 10^9 seeds alone would be 8 GB (what the large prompt leaves in malloc's
+    arenas a while, and gives back later, is in bench/results/refusal.json). The ingress's own
+    time per refusal (Server-Timing) is printed, not asserted (bench/results/refusal.json has it
+    beside a valid request's). The allocation-free refusal itself is checked exactly, in process, by
     tests/test_request_bounds.py."""
     port = ray_cluster["http_port"]
     median_ms: dict[str, float] = {}

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.logprob_reuse_bench import VERSION, flow_grpo_batch, grpo_step
+from testing.logprob_reuse import VERSION, flow_grpo_batch, grpo_step
 from contract import PolicyVersionError
 from trainer.algorithms import OldLogProbs, reusable_rows, rollout_old_log_probs
 from trainer.updates import plan_update

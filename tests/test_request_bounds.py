@@ -136,8 +136,8 @@ def test_oversized_http_bodies_are_refused_before_allocating_what_they_ask_for()
     import json
     import tracemalloc
 
-    from bench.refusal_bench import LIMITS as BENCH_LIMITS
-    from bench.refusal_bench import OVERSIZED
+    from testing.oversized import LIMITS as BENCH_LIMITS
+    from testing.oversized import OVERSIZED
     from contract import LimitExceededError
     from contract.http import parse_rollout_body
     limits, peaks = RequestLimits(**BENCH_LIMITS), {}
