@@ -1,8 +1,8 @@
 """A small 1-D KL autoencoder for 16 kHz mono waveforms (the tiny_t2va audio VAE).
 
 Why not diffusers' `AutoencoderOobleck`: even at toy width (hidden 16, ratios 2-4-4-5) it runs all
-its dilated Snake residual units at the full sample rate, measured ~10 s per forward of 8 one-second
-clips on one CPU core, which is far outside the pretraining budget (minutes on one core).
+its dilated Snake residual units at the full sample rate, so a forward of a batch of one-second
+clips on a CPU core is far outside the pretraining budget (minutes on one core).
 This model keeps Oobleck's interface (`encode(x).latent_dist`, `decode(z).sample`, diffusers
 `ModelMixin`/`ConfigMixin` save/load) but analyses the waveform with one learned strided filterbank
 (window 2*hop, hop 160 = 10 ms) and does its work at the latent frame rate; the decoder mirrors it
