@@ -48,7 +48,7 @@ def check(cfg) -> str:
     """The config check without a cluster or the weights: the trainer config, its graph and
     what the graph's family declares (from the checkpoint's JSON files here, or from
     `rollout.architecture` where the checkpoint is only on the cluster)."""
-    from graph import declared_family
+    from deployments.topology import declared_family
     graph = cfg.graph_config()
     note = declared_family(graph).source.note
     return "ok" + (f" ({note})" if note else "")
