@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from adapters.checkpoint import load_component, read_json
-from adapters.family import Conditioner, EncoderSpec, ETPPlan, Overflow
+from adapters.family import Conditioner, EncoderSpec, ETPPlan, Overflow, unit_to_uint8
 from contract import ConfigError, InvalidRequestError, LimitExceededError, PromptBundle
 
 CLIP_ETP_PLAN = ETPPlan(
@@ -215,9 +215,8 @@ class ImageVAE:
         postprocesses (x / 2 + 0.5 clamped to [0, 1], * 255, rounded)."""
         param = next(vae.parameters())
         z = latent.float() / self.scaling_factor + self.shift_factor
-        image = vae.decode(z.to(param.device, param.dtype), return_dict=False)[0].float()
-        image = (image / 2 + 0.5).clamp(0, 1)
-        return (image * 255).round().to(torch.uint8).cpu()
+        image = vae.decode(z.to(param.device, param.dtype), return_dict=False)[0]
+        return unit_to_uint8(image).cpu()
 
     @torch.no_grad()
     def encode(self, vae: nn.Module, images: torch.Tensor) -> torch.Tensor:

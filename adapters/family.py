@@ -13,30 +13,39 @@
     family.codec          state <-> named latents, condition media -> MediaCondition, decode
 
 The one denoising step (forward + guidance + time convention + sampler) is
-`diffusion.step.denoise_step`; nothing in a family re-implements it.
+`diffusion.step.denoise_step`; nothing in a family re-implements it. What every diffusers-
+checkpoint family shares (its entry's pipeline class and options, the pipeline's scheduler, the
+[-1, 1] -> uint8 postprocess, the condition-frame and decoded-latent checks, a request's id on
+its errors) is here too: `CheckpointFamily` and the helpers below.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from adapters.checkpoint import load_component, resolve_dtype
-from contract import (Condition, ConfigError, InvalidRequestError, IOSpec, LimitExceededError,
-                      MediaRole, PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
+from adapters.checkpoint import load_component, read_model_index, resolve_dtype
+from adapters.families import family_entry
+from contract import (ArtifactSpec, Condition, ConfigError, InvalidRequestError, IOSpec, Layout,
+                      LimitExceededError, MediaFormatError, MediaRole, Modality, PromptBundle,
+                      Representation, RequestLimits, RolloutRequest, SamplingSpec, Task,
                       TimeConvention, check_limits, normalize_media)
 from diffusion.guidance import GuidanceRule
 from diffusion.step import FrozenLatents, applied_guidance_scale, doubles_rows
 
 
 def parse_options(cls: type[BaseModel], options: Mapping | None, family: str) -> BaseModel:
-    """A family's options (config `rollout.adapter_options`) or ConfigError naming the field."""
+    """A family's options (config `rollout.adapter_options`: a mapping, or already the model)
+    or ConfigError naming the field."""
+    if isinstance(options, cls):
+        return options
     try:
         return cls.model_validate(dict(options or {}))
     except ValidationError as exc:
@@ -51,6 +60,51 @@ class NoOptions(BaseModel):
     """A family without options: any option given is an error naming it."""
 
     model_config = {"extra": "forbid", "frozen": True}
+
+
+FRAME_ROLES = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)   # media that are one video frame
+
+
+@contextmanager
+def request_errors(request_id: str | None) -> Iterator[None]:
+    """Request errors raised inside carry `request_id` (unless they name one already)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.request_id is None:
+            exc.request_id = request_id
+        raise
+
+
+def unit_to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels in [-1, 1] -> uint8, as diffusers' VaeImageProcessor / VideoProcessor
+    postprocess them: (x / 2 + 0.5) clamped to [0, 1], * 255, rounded."""
+    return ((pixels.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def check_condition_frame(frame: torch.Tensor, height: int, width: int, field: str) -> None:
+    """A condition frame must be uint8 (3, H, W) at the request's size: nothing is resized."""
+    if frame.dtype != torch.uint8 or tuple(frame.shape) != (3, height, width):
+        raise MediaFormatError("a condition frame must be uint8 (3, H, W) at the request's "
+                               "height and width (nothing is resized)", field=field,
+                               expected=f"uint8 (3, {height}, {width})",
+                               actual=f"{frame.dtype} {tuple(frame.shape)}")
+
+
+def check_latent_shape(latent: torch.Tensor, want: Sequence[int], latent_name: str) -> None:
+    """A latent handed to a decoder has the per-row shape its sampling size gives."""
+    if tuple(latent.shape[1:]) != tuple(want):
+        raise InvalidRequestError("the latent does not match the sampling size",
+                                  field=f"artifacts.{latent_name}", expected=tuple(want),
+                                  actual=tuple(latent.shape[1:]))
+
+
+def image_io_spec(layout: Layout) -> IOSpec:
+    """A text-to-image family's artifacts: its latent (in `layout`) and the decoded image."""
+    return IOSpec(artifacts=(
+        ArtifactSpec("image_latent", Modality.IMAGE, Representation.LATENT, layout),
+        ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
+                     source="image_latent")), defaults=("image_latent", "image"))
 
 
 class Overflow(str, Enum):
@@ -279,6 +333,12 @@ class OneLatentCodec(Codec):
                                       field="latent_name", expected=self.latent_name,
                                       actual=latent_name)
 
+    def check_latent(self, latent_name: str, latent: torch.Tensor,
+                     sampling: SamplingSpec) -> None:
+        """`decode` gets this codec's latent, at the shape `sampling` gives."""
+        self.check_latent_name(latent_name)
+        check_latent_shape(latent, self.state_shape(sampling), latent_name)
+
 
 class ModelFamily(ABC):
     """One model family bound to one checkpoint folder. Construction reads JSON configs only."""
@@ -381,14 +441,41 @@ class ModelFamily(ABC):
                                       f"{sorted(r.value for r in required)}", field="media",
                                       expected=sorted(r.value for r in required),
                                       actual=sorted(r.value for r in media), request_id=rid)
-        try:
+        with request_errors(rid):
             doubles_rows(self.spec.guidance, request.sampling.guidance_scale)
             self.codec.state_shape(request.sampling)
             self.conditioner.check_ids(request.prompt)
             if request.prompt.negative is not None:
                 self.conditioner.check_ids(request.prompt.negative, "prompt.negative")
-        except InvalidRequestError as exc:
-            if exc.request_id is None:
-                exc.request_id = rid
-            raise
         return {role: item.data for role, item in media.items()}
+
+
+class CheckpointFamily(ModelFamily):
+    """A family read from a diffusers checkpoint folder, described by its entry in
+    adapters/families.py (`entry_name`): the folder's model_index.json names a pipeline class
+    the entry accepts, the options are the entry's options model, `schedule` (the checkpoint's
+    own scheduler, adapters/diffusers_parts.FlowSchedule) gives the pipeline's scheduler, and
+    condition frames are checked at the request's size before any work."""
+
+    entry_name: str
+    schedule: "object"              # adapters.diffusers_parts.FlowSchedule
+
+    def __init__(self, root: str | Path, options: Mapping | BaseModel | None = None):
+        super().__init__(root)
+        self.entry = family_entry(self.entry_name)
+        self.index = read_model_index(self.root)
+        self.pipeline_class = self.entry.pipeline_class_of(self.index)
+        self.options = parse_options(self.entry.options_model, options, self.entry.name)
+
+    def pipeline_scheduler(self, sampling: SamplingSpec):
+        return self.schedule.scheduler_at(self.sigmas(sampling))
+
+    def validate_request(self, request: RolloutRequest,
+                         limits: RequestLimits) -> dict[MediaRole, torch.Tensor]:
+        media = super().validate_request(request, limits)
+        with request_errors(request.request_id):
+            for role in FRAME_ROLES:
+                if role in media:
+                    check_condition_frame(media[role], request.sampling.height,
+                                          request.sampling.width, f"media.{role.value}")
+        return media

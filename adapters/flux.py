@@ -15,7 +15,7 @@ As FluxPipeline (diffusers 0.42.1, pipeline_flux.py):
                ignores the scale, the project refuses any but 1). True CFG
                (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`, pipeline_flux.py:771)
                needs a negative prompt, which the project refuses: it never runs.
-Checkpoints saved by any pipeline class over these components load (adapters/registry.py); a
+Checkpoints saved by any pipeline class over these components load (adapters/families.py); a
 transformer that takes condition channels (FLUX.1 Fill / Control) is refused.
   ids          txt_ids zeros (L, 3); img_ids [0, row, col] of the packed grid
 CLIP truncates to 77 tokens as the pipeline does (recorded); T5 rejects prompts longer than
@@ -31,14 +31,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.checkpoint import read_json, read_model_index
+from adapters.checkpoint import read_json
 from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, FlowSchedule,
                                       ImageVAE, TokenizingConditioner, clip_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
-from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
-                             Overflow, parse_options)
-from adapters.registry import pipeline_class_of
-from adapters.sd3 import image_io_spec
+from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, MediaCondition,
+                             OneLatentCodec, Overflow, image_io_spec)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
                       PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
                       TimeConvention)
@@ -125,24 +123,18 @@ class FluxCodec(OneLatentCodec):
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        self.check_latent_name(latent_name)
+        self.check_latent(latent_name, latent, sampling)
         rows, cols = self.grid(sampling)
-        if tuple(latent.shape[1:]) != (rows * cols, self.in_channels):
-            raise InvalidRequestError("the packed latent does not match the sampling size",
-                                      field=f"artifacts.{latent_name}",
-                                      expected=(rows * cols, self.in_channels),
-                                      actual=tuple(latent.shape[1:]))
         return self.vae.decode(modules["vae"], self.unpack(latent.float(), rows, cols))
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(CheckpointFamily):
     """FluxPipeline checkpoints (FLUX.1-dev with guidance embeddings, FLUX.1-schnell without)."""
 
-    def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        self.pipeline_class = pipeline_class_of("flux", index)
-        self.options = parse_options(FluxOptions, options, "flux")
+    entry_name = "flux"
+
+    def __init__(self, root: str | Path, options: Mapping | FluxOptions | None = None):
+        super().__init__(root, options)
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = ImageVAE(self.root)
@@ -182,9 +174,6 @@ class FluxFamily(ModelFamily):
         custom = None if self.schedule.config.get("use_flow_sigmas") else \
             np.linspace(1.0, 1 / n, n)
         return self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
-
-    def pipeline_scheduler(self, sampling: SamplingSpec):
-        return self.schedule.scheduler_at(self.sigmas(sampling))
 
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self.codec.state_shape(sampling)[0])

@@ -27,8 +27,9 @@ def _pipeline_class(family: ModelFamily):
     """The family's text-to-media pipeline class: its LoRA loader reads and writes the
     transformer's LoRA, whichever accepted class saved the checkpoint folder."""
     import diffusers
-    from adapters.registry import PIPELINE_CLASSES
-    classes = PIPELINE_CLASSES.get(family.name, ())
+    from adapters.families import ENTRIES
+    entry = ENTRIES.get(family.name)
+    classes = entry.pipeline_classes if entry is not None else ()
     cls = getattr(diffusers, classes[0], None) if classes else None
     if cls is None or not hasattr(cls, "save_lora_weights"):
         raise ConfigError(f"{family.name} has no diffusers pipeline with a LoRA loader",

@@ -31,7 +31,7 @@ As LTX2Pipeline / LTX2ImageToVideoPipeline / LTX2ConditionPipeline (diffusers 0.
   conditions  first frame in place (frozen tokens, timestep 0), a last frame as appended
               keyframe tokens at their own positions (frozen, timestep 0); frames must be uint8
               at the request size (never resized).
-Folders saved by any LTX-2 pipeline class over these components load (adapters/registry.py)
+Folders saved by any LTX-2 pipeline class over these components load (adapters/families.py)
 and serve every task above.
 """
 from __future__ import annotations
@@ -44,22 +44,20 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from adapters.checkpoint import read_json, read_model_index
+from adapters.checkpoint import read_json
 from adapters.diffusers_parts import FlowSchedule
-from adapters.family import EncoderSpec, FamilySpec, MediaCondition, ModelFamily, Overflow, \
-    parse_options
+from adapters.family import (FRAME_ROLES, CheckpointFamily, EncoderSpec, FamilySpec,
+                             MediaCondition, Overflow, request_errors)
 from adapters.ltx2_codec import CONDITION_MASK, LTX2Codec, LTX2Dims
 from adapters.ltx2_text import (CONNECTORS, GEMMA, GEMMA3_ETP_PLAN, TEXT_ENCODER,
                                 GemmaConditioner, LTX2TextStack)
-from adapters.registry import pipeline_class_of
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
-                      IOSpec, Layout, MediaFormatError, MediaRole, Modality, Representation,
-                      RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
+                      IOSpec, Layout, MediaRole, Modality, Representation, RequestLimits,
+                      RolloutRequest, SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import CFGRule, GuidanceForm, GuidanceRule, GuidanceSpace, GuidanceStream
 
 # every attention of both streams (self, text cross, audio<->video cross) and both FFs
 LTX2_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
-FRAME_ROLES = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)
 DEFAULT_IMAGE_CRF = {"gemma3": 33, "gemma4": 18, "gemma4_unified": 18}  # pipeline utils.py:326
 
 
@@ -169,14 +167,13 @@ class LTX2Denoiser:
         return bounds[None].expand(rows, -1, -1, -1)
 
 
-class LTX2Family(ModelFamily):
+class LTX2Family(CheckpointFamily):
     """LTX-2 checkpoints (LTX-2.0 layout): T2VA, I2VA (first frame), FL2VA."""
 
-    def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        self.pipeline_class = pipeline_class_of("ltx2", index)
-        self.options = parse_options(LTX2Options, options, "ltx2")
+    entry_name = "ltx2"
+
+    def __init__(self, root: str | Path, options: Mapping | LTX2Options | None = None):
+        super().__init__(root, options)
         o = self.options
         self.schedule = LTX2Schedule(self.root)
         dims = self._dims()
@@ -268,9 +265,6 @@ class LTX2Family(ModelFamily):
         layout = self.codec.layout_of(media.inputs)
         return self._sigmas(sampling, layout.video_tokens + layout.keyframe_tokens)
 
-    def pipeline_scheduler(self, sampling: SamplingSpec):
-        return self.schedule.scheduler_at(self.sigmas(sampling))
-
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self.codec.layout(sampling).video_tokens)
 
@@ -283,21 +277,10 @@ class LTX2Family(ModelFamily):
 
     # ---- request checks ------------------------------------------------------------------
     def validate_request(self, request: RolloutRequest, limits: RequestLimits):
-        media = super().validate_request(request, limits)
+        media = super().validate_request(request, limits)     # frames at the request's size
         rid, sampling = request.request_id, request.sampling
-        try:
+        with request_errors(rid):
             self.sigmas(sampling)
-        except InvalidRequestError as exc:
-            exc.request_id = rid
-            raise
-        for role, frame in media.items():
-            want = (3, sampling.height, sampling.width)
-            if frame.dtype != torch.uint8 or tuple(frame.shape) != want:
-                raise MediaFormatError("a condition frame must be uint8 (3, H, W) at the "
-                                       "request's size; nothing is resized",
-                                       field=f"media.{role.value}", expected=f"uint8 {want}",
-                                       actual=f"{frame.dtype} {tuple(frame.shape)}",
-                                       request_id=rid)
         if MediaRole.LAST_FRAME in media and self.codec.layout(sampling).frames < 2:
             raise InvalidRequestError("a last-frame condition needs at least two latent frames",
                                       field="sampling.num_frames",

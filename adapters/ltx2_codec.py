@@ -34,8 +34,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from adapters.family import Codec, MediaCondition
-from contract import (InvalidRequestError, MediaFormatError, MediaRole, OutputContractError,
+from adapters.family import (Codec, MediaCondition, check_condition_frame, check_latent_shape,
+                             unit_to_uint8)
+from contract import (InvalidRequestError, MediaRole, OutputContractError,
                       SamplingSpec)
 from diffusion.guidance import STREAM_BOUNDS
 from diffusion.step import FrozenLatents
@@ -259,11 +260,11 @@ class LTX2Codec(Codec):
         with torch.no_grad():
             if latent_name == "video_latent":
                 want = (self.dims.latent_channels, layout.frames, layout.rows, layout.cols)
-                _check_shape(latent, want, latent_name)
+                check_latent_shape(latent, want, latent_name)
                 return self.decode_video(modules["vae"], latent.float(), sampling.num_frames)
             if latent_name == "audio_latent":
                 want = (self.dims.audio_channels, layout.audio_length, self.dims.latent_mel_bins)
-                _check_shape(latent, want, latent_name)
+                check_latent_shape(latent, want, latent_name)
                 return self.decode_audio(modules["audio_vae"], modules["vocoder"], latent.float())
         raise InvalidRequestError("LTX-2 decodes video_latent / audio_latent",
                                   field="latent_name", expected=["video_latent", "audio_latent"],
@@ -280,8 +281,7 @@ class LTX2Codec(Codec):
             raise OutputContractError("the video VAE decoded another frame count",
                                       field="artifacts.video", expected=num_frames,
                                       actual=int(video.shape[2]))
-        pixels = ((video / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        return pixels.permute(0, 2, 1, 3, 4).cpu()
+        return unit_to_uint8(video).permute(0, 2, 1, 3, 4).cpu()
 
     def decode_audio(self, audio_vae: nn.Module, vocoder: nn.Module,
                      latent: torch.Tensor) -> torch.Tensor:
@@ -309,12 +309,7 @@ class LTX2Codec(Codec):
                      role: MediaRole, crf: int) -> torch.Tensor:
         """uint8 (3, H, W) at the request size -> normalised latent (1, C, 1, h, w) (the
         posterior mode, as both conditioned pipelines take it)."""
-        want = (3, sampling.height, sampling.width)
-        if frame.dtype != torch.uint8 or tuple(frame.shape) != want:
-            raise MediaFormatError("a condition frame must be uint8 (3, H, W) at the request's "
-                                   "size; nothing is resized", field=f"media.{role.value}",
-                                   expected=f"uint8 {want}",
-                                   actual=f"{frame.dtype} {tuple(frame.shape)}")
+        check_condition_frame(frame, sampling.height, sampling.width, f"media.{role.value}")
         if crf:
             from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
             hwc = apply_image_conditioning_crf(frame.permute(1, 2, 0).contiguous().numpy(), crf)
@@ -376,10 +371,3 @@ class LTX2Codec(Codec):
 def _stats(vae: nn.Module, like: torch.Tensor, shape: tuple[int, ...]):
     return (vae.latents_mean.view(shape).to(like.device, like.dtype),
             vae.latents_std.view(shape).to(like.device, like.dtype))
-
-
-def _check_shape(latent: torch.Tensor, want: tuple[int, ...], name: str) -> None:
-    if tuple(latent.shape[1:]) != want:
-        raise InvalidRequestError("the latent does not match the sampling size",
-                                  field=f"artifacts.{name}", expected=want,
-                                  actual=tuple(latent.shape[1:]))

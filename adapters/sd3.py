@@ -14,7 +14,7 @@ As StableDiffusion3Pipeline (diffusers 0.42.1, pipeline_stable_diffusion_3.py):
   guidance      CFG only at guidance_scale > 1 (`do_classifier_free_guidance`,
                   pipeline_stable_diffusion_3.py:681; img2img :741, inpaint :829): at or below
                   1 the conditional branch alone.
-Checkpoints saved by any pipeline class over these components load (adapters/registry.py).
+Checkpoints saved by any pipeline class over these components load (adapters/families.py).
 CLIP windows truncate to 77 tokens as the pipeline does (recorded in PromptBundle.truncated);
 T5 rejects prompts longer than `max_sequence_length` (the pipeline would cut them silently).
 """
@@ -28,16 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional as F
 
-from adapters.checkpoint import read_json, read_model_index
+from adapters.checkpoint import read_json
 from adapters.diffusers_parts import (CLIP_ETP_PLAN, T5_ETP_PLAN, FlowSchedule, ImageVAE,
                                       TokenizingConditioner, clip_hidden_and_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
-from adapters.family import (EncoderSpec, FamilySpec, ModelFamily, OneLatentCodec, Overflow,
-                             parse_options)
-from adapters.registry import pipeline_class_of
-from contract import (ArtifactSpec, Condition, GuidanceKind, InvalidRequestError,
-                      IOSpec, Layout, Modality, PromptBundle, Representation, SamplingSpec, Task,
-                      TimeConvention)
+from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, OneLatentCodec, Overflow,
+                             image_io_spec)
+from contract import (Condition, GuidanceKind, InvalidRequestError, Layout, PromptBundle,
+                      SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import CFGRule, GuidanceRule
 
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -107,25 +105,18 @@ class SD3Codec(OneLatentCodec):
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        self.check_latent_name(latent_name)
+        self.check_latent(latent_name, latent, sampling)
         return self.vae.decode(modules["vae"], latent)
 
 
-def image_io_spec(layout: Layout) -> IOSpec:
-    return IOSpec(artifacts=(
-        ArtifactSpec("image_latent", Modality.IMAGE, Representation.LATENT, layout),
-        ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
-                     source="image_latent")), defaults=("image_latent", "image"))
-
-
-class SD3Family(ModelFamily):
+class SD3Family(CheckpointFamily):
     """StableDiffusion3Pipeline checkpoints (SD3-medium, SD3.5-medium / large / turbo)."""
 
-    def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        self.pipeline_class = pipeline_class_of("sd3", index)
-        self.options = parse_options(SD3Options, options, "sd3")
+    entry_name = "sd3"
+
+    def __init__(self, root: str | Path, options: Mapping | SD3Options | None = None):
+        super().__init__(root, options)
+        index = self.index
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = ImageVAE(self.root)
@@ -161,9 +152,6 @@ class SD3Family(ModelFamily):
 
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         return self.schedule.sigmas(sampling.num_steps, self._seq_len(sampling))
-
-    def pipeline_scheduler(self, sampling: SamplingSpec):
-        return self.schedule.scheduler_at(self.sigmas(sampling))
 
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self._seq_len(sampling))

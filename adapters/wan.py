@@ -25,7 +25,7 @@ UMT5 rejects prompts longer than `max_sequence_length` (the pipeline truncates s
 Not served: Wan 2.2 TI2V-5B (`expand_timesteps`, per-token timesteps), first-last-frame (FLF2V).
 The task is the components': a transformer taking the latents alone (in_channels = z) serves
 T2V, one taking mask + condition latents too (2 z + 4) serves I2V, whichever pipeline class
-(adapters/registry.py) saved the folder.
+(adapters/families.py) saved the folder.
 """
 from __future__ import annotations
 
@@ -36,16 +36,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.checkpoint import load_component, read_json, read_model_index
+from adapters.checkpoint import load_component, read_json
 from adapters.diffusers_parts import UMT5_ETP_PLAN, FlowSchedule, encoder_vocab_size
-from adapters.family import (EncoderSpec, FamilySpec, MediaCondition, ModelFamily, OneLatentCodec,
-                             Overflow, parse_options)
-from adapters.registry import pipeline_class_of
-from adapters.wan_parts import (UMT5Conditioner, UniPCHandling, WanVAE, check_condition_image,
-                                clip_image_embeds, schedule_config, unipc_spacing)
+from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, MediaCondition,
+                             OneLatentCodec, Overflow, check_condition_frame)
+from adapters.wan_parts import (UMT5Conditioner, UniPCHandling, WanVAE, clip_image_embeds,
+                                schedule_config, unipc_spacing)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
-                      IOSpec, Layout, MediaRole, Modality, Representation, RequestLimits,
-                      RolloutRequest, SamplingSpec, Task, TimeConvention)
+                      IOSpec, Layout, MediaRole, Modality, Representation, SamplingSpec, Task,
+                      TimeConvention)
 from diffusion.guidance import CFGRule, GuidanceRule
 
 WAN_LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
@@ -151,12 +150,7 @@ class WanCodec(OneLatentCodec):
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
-        self.check_latent_name(latent_name)
-        shape = self.state_shape(sampling)
-        if tuple(latent.shape[1:]) != shape:
-            raise InvalidRequestError("the latent does not match the sampling size",
-                                      field=f"artifacts.{latent_name}", expected=shape,
-                                      actual=tuple(latent.shape[1:]))
+        self.check_latent(latent_name, latent, sampling)
         return self.vae.decode(modules["vae"], latent)
 
     def encode_media(self, modules, sampling, media) -> MediaCondition:
@@ -167,7 +161,7 @@ class WanCodec(OneLatentCodec):
                                       field="media", expected=[MediaRole.FIRST_FRAME.value],
                                       actual=sorted(r.value for r in media))
         image = media[MediaRole.FIRST_FRAME]
-        check_condition_image(image, sampling.height, sampling.width, "media.first_frame")
+        check_condition_frame(image, sampling.height, sampling.width, "media.first_frame")
         self.state_shape(sampling)
         inputs = {"condition": self.vae.encode_first_frame(modules["vae"], image,
                                                            sampling.num_frames)}
@@ -189,15 +183,15 @@ def _declared(index: Mapping, component: str) -> bool:
     return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
 
 
-class WanFamily(ModelFamily):
+class WanFamily(CheckpointFamily):
     """WanPipeline (Wan 2.1 T2V, Wan 2.2 T2V A14B) and WanImageToVideoPipeline (Wan 2.1 I2V,
     Wan 2.2 I2V A14B) checkpoints."""
 
-    def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        self.pipeline_class = pipeline_class_of("wan", index)
-        self.options = parse_options(WanOptions, options, "wan")
+    entry_name = "wan"
+
+    def __init__(self, root: str | Path, options: Mapping | WanOptions | None = None):
+        super().__init__(root, options)
+        index = self.index
         if index.get("expand_timesteps"):
             raise ConfigError("Wan 2.2 TI2V (expand_timesteps: per-token timesteps) is not "
                               "served", field="weights_path.expand_timesteps", expected=False,
@@ -295,9 +289,6 @@ class WanFamily(ModelFamily):
             if self.unipc_spacing else None
         return self.schedule.sigmas(n, 0, custom)
 
-    def pipeline_scheduler(self, sampling: SamplingSpec):
-        return self.schedule.scheduler_at(self.sigmas(sampling))
-
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(0)
 
@@ -307,14 +298,3 @@ class WanFamily(ModelFamily):
             return EXPERTS[0]
         time = torch.tensor([sigma], dtype=torch.float32) * self.denoiser.model_time_scale
         return EXPERTS[0] if bool(time[0] >= self.boundary) else EXPERTS[1]
-
-    def validate_request(self, request: RolloutRequest, limits: RequestLimits):
-        media = super().validate_request(request, limits)
-        if MediaRole.FIRST_FRAME in media:          # the size check before any work
-            try:
-                check_condition_image(media[MediaRole.FIRST_FRAME], request.sampling.height,
-                                      request.sampling.width, "media.first_frame")
-            except InvalidRequestError as exc:
-                exc.request_id = request.request_id
-                raise
-        return media

@@ -27,8 +27,8 @@ from torch import nn
 
 from adapters.checkpoint import read_json
 from adapters.diffusers_parts import FLOW_SCHEDULER, TokenizingConditioner
-from adapters.family import EncoderSpec
-from contract import Condition, ConfigError, MediaFormatError, PromptBundle
+from adapters.family import EncoderSpec, unit_to_uint8
+from contract import Condition, ConfigError, PromptBundle
 
 UNIPC_SCHEDULER = "UniPCMultistepScheduler"
 
@@ -101,8 +101,7 @@ class WanVAE:
         z = z / self.inv_std.to(z.device, z.dtype) + self.mean.to(z.device, z.dtype)
         with exclusive(vae):
             video = vae.decode(z, return_dict=False)[0].float()            # (B, 3, F, H, W)
-        video = (video / 2 + 0.5).clamp(0, 1)
-        return (video * 255).round().to(torch.uint8).permute(0, 2, 1, 3, 4).cpu()
+        return unit_to_uint8(video).permute(0, 2, 1, 3, 4).cpu()
 
     @torch.no_grad()
     def encode_first_frame(self, vae: nn.Module, image: torch.Tensor,
@@ -128,15 +127,6 @@ class WanVAE:
         mask = torch.cat([mask[:, :, :1].repeat_interleave(self.temporal, dim=2), mask[:, :, 1:]],
                          dim=2)
         return mask.view(1, -1, self.temporal, rows, cols).transpose(1, 2)
-
-
-def check_condition_image(image: torch.Tensor, height: int, width: int, field: str) -> None:
-    """The condition image must be uint8 (3, H, W) at the request size: nothing is resized."""
-    if image.dtype != torch.uint8 or tuple(image.shape) != (3, height, width):
-        raise MediaFormatError("the condition image must be uint8 (3, H, W) at the request's "
-                               "height and width (nothing is resized)", field=field,
-                               expected=f"uint8 (3, {height}, {width})",
-                               actual=f"{image.dtype} {tuple(image.shape)}")
 
 
 @torch.no_grad()

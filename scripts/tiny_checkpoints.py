@@ -15,8 +15,10 @@ really produces. Parameters left constant by their initialiser (norm weights, bi
 latent mean / std buffers) get seeded noise, so a skipped tensor or a dropped condition changes
 the output. Everything is fp32 and built on CPU; the same seed gives byte-identical files.
 
-Each family's components: scripts/tiny_families.py. Facts about each pipeline that an adapter
-must reproduce: docs/MODEL_FAMILIES.md.
+Which checkpoints exist, their pipeline class, builder and sized call: each family's entry in
+adapters/families.py (`tiny_checkpoints`). The components of the existing ones:
+scripts/tiny_families.py. Facts about each pipeline that an adapter must reproduce:
+docs/MODEL_FAMILIES.md.
 
     python -m scripts.tiny_checkpoints --family sd3 --out DIR      # -> DIR/sd3
     python -m scripts.tiny_checkpoints --family all --out DIR
@@ -28,71 +30,28 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from scripts import tiny_families
-from scripts.tiny_families import Parts
+from adapters.families import TINY_CHECKPOINTS, SampleSize, TinyCheckpoint, resolve
+
+# the tiny checkpoints the family table declares (Family("sd3"), Family.WAN21_I2V, ...)
+Family = Enum("Family", [(name.upper(), name) for name in TINY_CHECKPOINTS], type=str)
+SAMPLE_SIZES: dict[Family, SampleSize] = {f: TINY_CHECKPOINTS[f.value].sample_size
+                                          for f in Family}
+PIPELINE_CLASSES: dict[Family, str] = {f: TINY_CHECKPOINTS[f.value].pipeline_class
+                                       for f in Family}
 
 
-class Family(str, Enum):
-    SD3 = "sd3"
-    FLUX = "flux"
-    WAN21 = "wan21"
-    WAN21_I2V = "wan21_i2v"
-    WAN22 = "wan22"
-    LTX2 = "ltx2"
+def tiny_entry(family: str | Family) -> TinyCheckpoint:
+    return TINY_CHECKPOINTS[Family(family).value]
 
-
-@dataclass(frozen=True)
-class SampleSize:
-    """The call a tiny checkpoint is sized for (tests and examples use these)."""
-    height: int
-    width: int
-    num_frames: int | None = None
-    frame_rate: float | None = None
-    max_sequence_length: int | None = None
-
-    def call_kwargs(self) -> dict[str, Any]:
-        kwargs = {"height": self.height, "width": self.width}
-        for name in ("num_frames", "frame_rate", "max_sequence_length"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
-        return kwargs
-
-
-SAMPLE_SIZES = {
-    Family.SD3: SampleSize(64, 96, max_sequence_length=32),
-    Family.FLUX: SampleSize(64, 96, max_sequence_length=48),
-    Family.WAN21: SampleSize(32, 48, num_frames=9, max_sequence_length=16),
-    # The I2V transformer splits image tokens off the context at a fixed text length of 512.
-    Family.WAN21_I2V: SampleSize(32, 48, num_frames=9, max_sequence_length=512),
-    Family.WAN22: SampleSize(32, 48, num_frames=9, max_sequence_length=16),
-    Family.LTX2: SampleSize(64, 96, num_frames=9, frame_rate=25.0, max_sequence_length=16),
-}
-
-PIPELINE_CLASSES = {
-    Family.SD3: "StableDiffusion3Pipeline",
-    Family.FLUX: "FluxPipeline",
-    Family.WAN21: "WanPipeline",
-    Family.WAN21_I2V: "WanImageToVideoPipeline",
-    Family.WAN22: "WanPipeline",
-    Family.LTX2: "LTX2Pipeline",
-}
 
 # Class names as the published checkpoints write them (transformers 5 saves the slow-class name).
 REAL_TOKENIZER_CLASSES = {"T5Tokenizer": "T5TokenizerFast", "GemmaTokenizer": "GemmaTokenizerFast"}
-
-# each family's components, seeded
-BUILDERS: dict[Family, Callable[[int], Parts]] = {
-    Family.SD3: tiny_families.sd3_parts, Family.FLUX: tiny_families.flux_parts,
-    Family.WAN21: tiny_families.wan21_parts, Family.WAN21_I2V: tiny_families.wan21_i2v_parts,
-    Family.WAN22: tiny_families.wan22_parts, Family.LTX2: tiny_families.ltx2_parts,
-}
 
 # --------------------------------------------------------------------------- writing
 
@@ -109,9 +68,10 @@ def build(family: str | Family, root: Path, seed: int = 0) -> Path:
     if target.exists():
         raise FileExistsError(f"tiny checkpoint directory already exists: {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    entry = tiny_entry(family)
     with torch.random.fork_rng(devices=[]):
-        parts = BUILDERS[family](seed)
-    pipeline = getattr(diffusers, PIPELINE_CLASSES[family])(**parts.components, **parts.config)
+        parts = resolve(entry.builder)(seed)         # scripts.tiny_families.Parts
+    pipeline = getattr(diffusers, entry.pipeline_class)(**parts.components, **parts.config)
     staging = Path(tempfile.mkdtemp(prefix=f".{family.value}-", dir=target.parent))
     try:
         pipeline.save_pretrained(staging, safe_serialization=True)

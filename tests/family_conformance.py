@@ -15,9 +15,20 @@ engine (the production path):
   - the declared guidance rule is the pipeline's: at a scale below 1, at 1 and above, the
     pipeline's own `do_classifier_free_guidance` is the rule's decision, the latents are the
     pipeline's and the trajectory records the scale the rows ran at,
-  - the declared pipeline classes (adapters/registry.py PIPELINE_CLASSES) hold every diffusers
-    pipeline class that takes this checkpoint's components, and the components saved by each
+  - the declared pipeline classes (the family's entry in adapters/families.py) hold every
+    diffusers pipeline class that takes this checkpoint's components, and the components saved by each
     load through `adapter: auto` and the explicit adapter, serving the same tasks.
+
+`FamilyChecks` (its base; embedded families without a diffusers pipeline use it alone) adds, for
+every registered family:
+  - every declared LoRA target (FamilySpec.lora_targets) matches > 0 linear modules of its
+    transformer, and the learner's LoRA covers exactly the modules they match,
+  - the project's LoRA file (adapters/lora_files.py) loaded by diffusers' own loader (the
+    transformer's `load_lora_adapter`) gives the project's adapted forward (a family diffusers
+    cannot hold in one LoRA file is refused, naming the field),
+  - engine-vs-learner SDE log-prob parity: the log-probs the embedded engine records for an SDE
+    rollout under a LoRA equal the trainer's recomputation (trainer/checks.py logprob_mismatch)
+    for the same trajectory and policy, |ratio - 1| <= 1e-5, and other weights fail it.
 """
 from __future__ import annotations
 
@@ -34,14 +45,20 @@ from typing import Any
 import pytest
 import torch
 
+from torch import nn
+
 from adapters.checkpoint import load_component
-from adapters.registry import PIPELINE_CLASSES, get_family
-from contract import (ConfigError, InvalidRequestError, RequestLimits, RolloutRequest,
-                      SamplerKind, SamplingSpec)
+from adapters.families import ENTRIES
+from adapters.inference_form import modules_with_suffix
+from adapters.lora_files import load_diffusers_lora, save_diffusers_lora
+from adapters.registry import get_family
+from contract import (ConfigError, InvalidRequestError, RequestLimits, RewardReport, RolloutOutput,
+                      RolloutRequest, SamplerKind, SamplingSpec, StartupCheckError)
 from diffusion.noise import initial_noise
-from diffusion.step import applied_guidance_scale, doubles_rows
+from diffusion.step import applied_guidance_scale, doubles_rows, predict_velocity
 from rollout.engine import EmbeddedEngine
 from rollout.engine_api import EngineRequest
+from trainer.lora import PolicyRole
 
 PROMPTS = ("a red circle on a wooden table", "two blue squares under a green sky")
 NEGATIVE = "blurry, low quality"
@@ -137,16 +154,172 @@ def check_time_convention_flip(family: str, root, options: dict, size: dict,
     assert err.value.field == "adapter.time_convention"
 
 
-class FamilyConformance:
+LORA_RANK = 2
+LOGPROB_PARITY_TOL = 1e-5          # |exp(learner - engine) - 1|: fp32 noise
+
+
+class FamilyChecks:
+    """The checks every registered family passes, with or without a diffusers pipeline."""
+
     family: str                       # registry name
-    checkpoint: str                   # tiny checkpoint family (scripts/tiny_checkpoints.py)
     options: dict[str, Any] = {}
     size: dict[str, int] = {}         # height / width (/ num_frames) of the sized call
-    other_sizes: tuple[dict[str, int], ...] = ()
-    bad_size: dict[str, int] = {}     # a size the VAE / patch cannot produce
     guidance_scale: float = 1.0
     negative: bool = False            # the family takes a negative prompt
     steps: int = 4
+
+    def request_media(self) -> tuple | None:
+        """Condition media (contract.MediaInput) of the parity request; the family's first task
+        is requested with them (None: a text-only task)."""
+        return None
+
+    # ---- fixtures -----------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def root(self) -> Path | None:
+        return None                   # an embedded family's shipped weights
+
+    @pytest.fixture(scope="class")
+    def fam(self, root):
+        return get_family(self.family, root, self.options)
+
+    @pytest.fixture(scope="class")
+    def learner(self, fam):
+        from trainer.config import OptimizerConfig
+        from trainer.learner import Learner
+        from trainer.lora import LoRATrainConfig
+        torch.set_num_threads(1)
+        return Learner(fam, fam.load_transformers(), fam.load_encoders(),
+                       LoRATrainConfig(rank=LORA_RANK, alpha=LORA_RANK), OptimizerConfig(),
+                       media_modules=fam.load_media_encoders())
+
+    @pytest.fixture(scope="class")
+    def probe(self, learner) -> tuple[dict[str, torch.Tensor], float]:
+        """A LoRA with random A and B on every target (it changes outputs), as exported."""
+        from trainer import checks
+        return checks.probe_lora(learner, seed=7, std_b=0.1)
+
+    def sized(self, fam) -> dict[str, int]:
+        if self.size:
+            return dict(self.size)
+        return {k: fam.spec.sampling_defaults[k] for k in ("height", "width", "num_frames")}
+
+    def probe_request(self, fam, sampling: SamplingSpec) -> RolloutRequest:
+        negatives = [NEGATIVE] if self.negative else None
+        bundle = fam.conditioner.tokenize([PROMPTS[0]], negatives)[0]
+        return RolloutRequest(prompt=bundle, sampling=sampling, task=next(iter(fam.spec.tasks)),
+                              media=self.request_media())
+
+    # ---- checks -------------------------------------------------------------------------------
+    def test_every_declared_lora_target_exists(self, fam, learner):
+        """Each declared target suffix matches > 0 linear modules of its transformer, and the
+        learner's LoRA covers exactly the modules the targets match."""
+        several = len(fam.spec.transformers) > 1
+        matched = set()
+        for component in fam.spec.transformers:
+            model = fam.load(component)
+            targets = fam.spec.lora_targets[component]
+            assert targets, component
+            for suffix in targets:
+                found = list(modules_with_suffix(model, suffix))
+                assert found, f"{component}: LoRA target {suffix!r} matches no module"
+                assert all(isinstance(m, nn.Linear) for _, m in found), (component, suffix)
+                matched |= {f"{component}.{name}" if several else name for name, _ in found}
+        exported, _ = learner.export()
+        assert {k.rsplit(".lora_", 1)[0] for k in exported} == matched
+
+    def test_lora_file_round_trip_through_diffusers_loader(self, fam, learner, probe, tmp_path):
+        """The project's LoRA file, read by the transformer's own diffusers loader
+        (`load_lora_adapter`, rank and alpha from the file's metadata), gives the learner's
+        adapted forward; the project reads its own file back unchanged."""
+        tensors, scale = probe
+        entry = ENTRIES[self.family]
+        if len(fam.spec.transformers) != 1 or not entry.pipeline_classes:
+            with pytest.raises(ConfigError) as err:     # no one-file diffusers form: refused
+                save_diffusers_lora(fam, tensors, scale, LORA_RANK, tmp_path)
+            assert err.value.field == "adapter"
+            return
+        path = save_diffusers_lora(fam, tensors, scale, LORA_RANK, tmp_path)
+        again, again_scale = load_diffusers_lora(fam, path)
+        assert again_scale == pytest.approx(scale) and again.keys() == tensors.keys()
+        assert all(torch.equal(again[k], tensors[k]) for k in tensors)
+        component = fam.spec.transformers[0]
+        theirs_model = fam.load(component)
+        theirs_model.load_lora_adapter(str(tmp_path), weight_name=path.name,
+                                       prefix="transformer", adapter_name="probe")
+        sampling = SamplingSpec(num_steps=self.steps, seeds=(0, 1), **self.sized(fam))
+        media = fam.validate_request(self.probe_request(fam, sampling), RequestLimits())
+        x = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))
+        rows = x.shape[0]
+        sigma = torch.full((rows,), 0.6)
+        cond = learner.encode([self.probe_request(fam, sampling).prompt]).repeat_rows([rows])
+        inputs = learner.forward_inputs([sampling], [media], [rows])
+        guidance = learner.guidance(rows, 1.0, None)
+        with torch.no_grad():
+            theirs = predict_velocity(fam.denoiser, {component: theirs_model.eval()}, x, sigma,
+                                      cond, guidance, inputs or None)
+            base = predict_velocity(fam.denoiser, {component: fam.load(component).eval()}, x,
+                                    sigma, cond, guidance, inputs or None)
+            with learner.as_old(tensors):
+                ours = learner.velocity(x, sigma, cond, PolicyRole.OLD, 1.0, None,
+                                        inputs or None)
+        diff, effect = float((ours - theirs).abs().max()), float((theirs - base).abs().max())
+        print(f"{self.family} LoRA through diffusers: max |ours - diffusers| = {diff:.3g}, "
+              f"effect {effect:.3g}")
+        assert effect > 1e-3 and diff <= 1e-4 * max(1.0, float(theirs.abs().max()))
+
+    @pytest.fixture(scope="class")
+    def engine(self, fam):
+        engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
+        yield engine
+        asyncio.run(engine.shutdown())
+
+    def test_engine_and_learner_sde_log_probs_agree(self, fam, learner, probe):
+        """An SDE rollout on the embedded engine under the probe LoRA records log-probs the
+        trainer's recomputation (same trajectory, same policy, trainer/checks.py) equals
+        within fp32 noise; other weights fail the same check."""
+        from trainer import checks
+        from trainer.rollout_batch import build_batch
+        tensors, scale = probe
+        sampling = SamplingSpec(sampler=SamplerKind.SDE, noise_level=0.7, num_steps=self.steps,
+                                seeds=(0, 1), guidance_scale=self.guidance_scale,
+                                **self.sized(fam))
+        request = self.probe_request(fam, sampling)
+        media = fam.validate_request(request, RequestLimits())
+        conditioner = fam.conditioner
+        cond = conditioner.encode(learner.encoders, [request.prompt])
+        negative = conditioner.encode(learner.encoders,
+                                      [conditioner.unconditional(request.prompt)]) \
+            if doubles_rows(fam.spec.guidance, sampling.guidance_scale) else None
+        engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
+        try:
+            engine.load_lora("probe", tensors, scale)
+            latents = fam.io_spec.latent_needed(fam.io_spec.defaults)
+            result = engine.submit(EngineRequest(request, cond, negative, latents, media,
+                                                 "probe")).result(timeout=300)
+        finally:
+            asyncio.run(engine.shutdown())
+        out = RolloutOutput(request.request_id, dict(result.latents), result.trajectory,
+                            result.policy_version, sampling.seeds,
+                            rewards=RewardReport({}, (0.0,) * len(sampling.seeds), {}))
+        batch = build_batch(learner, [request.prompt], [out], [sampling], [media])
+        assert batch.versions == ("probe",) * len(sampling.seeds)
+        report = checks.logprob_mismatch(learner, batch.trajectory, batch.cond,
+                                         {"probe": tensors}.__getitem__, batch.versions,
+                                         LOGPROB_PARITY_TOL, batch.uncond, batch.inputs)
+        print(f"{self.family} SDE log-prob parity: {report}")
+        assert report["logprob_ratio_err_max"] <= LOGPROB_PARITY_TOL
+        wrong = {k: v * 1.5 for k, v in tensors.items()}
+        with pytest.raises(StartupCheckError) as err:
+            checks.logprob_mismatch(learner, batch.trajectory, batch.cond, lambda v: wrong,
+                                    batch.versions, LOGPROB_PARITY_TOL, batch.uncond,
+                                    batch.inputs)
+        assert err.value.field == "log_prob"
+
+
+class FamilyConformance(FamilyChecks):
+    checkpoint: str                   # tiny checkpoint family (scripts/tiny_checkpoints.py)
+    other_sizes: tuple[dict[str, int], ...] = ()
+    bad_size: dict[str, int] = {}     # a size the VAE / patch cannot produce
     sigma_steps: tuple[int, ...] = (1, 4, 10)   # step counts the sigma tables are compared at
 
     # ---- per family -------------------------------------------------------------------------
@@ -155,11 +328,6 @@ class FamilyConformance:
 
     def pipeline_call(self, pipe, x0: torch.Tensor, output_type: str) -> Any:
         raise NotImplementedError
-
-    def request_media(self) -> tuple | None:
-        """Condition media (contract.MediaInput) of the parity request; the family's first task
-        is requested with them (None: a text-only task)."""
-        return None
 
     def decoded_from_pipeline(self, result) -> torch.Tensor:
         """uint8 decoded media from the pipeline's `output_type="np"` result."""
@@ -185,12 +353,6 @@ class FamilyConformance:
     @pytest.fixture(scope="class")
     def encoders(self, fam):
         return fam.load_encoders()
-
-    @pytest.fixture(scope="class")
-    def engine(self, fam):
-        engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
-        yield engine
-        asyncio.run(engine.shutdown())
 
     def sampling(self, seeds=(0, 1), **size) -> SamplingSpec:
         return SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, num_steps=self.steps,
@@ -398,8 +560,8 @@ class FamilyConformance:
                   if not k.startswith("_") and k not in components and v not in (None, False)}
         classes = pipeline_classes_over(components, config)
         assert type(pipe).__name__ in classes
-        assert set(classes) <= set(PIPELINE_CLASSES[self.family]), \
-            sorted(set(classes) - set(PIPELINE_CLASSES[self.family]))
+        declared = set(ENTRIES[self.family].pipeline_classes)
+        assert set(classes) <= declared, sorted(set(classes) - declared)
         first = fam.spec.transformers[0]
         weights = fam.load(first).state_dict()
         for name in classes:
@@ -418,7 +580,8 @@ class FamilyConformance:
             loaded = other.load(first).state_dict()          # the weights load from the folder
             assert loaded.keys() == weights.keys()
             assert all(torch.equal(loaded[k], weights[k]) for k in weights), name
-        foreign = next(c for f, cs in PIPELINE_CLASSES.items() if f != self.family for c in cs)
+        foreign = next(c for f, e in ENTRIES.items() if f != self.family
+                       for c in e.pipeline_classes)
         other = tmp_path / "foreign"
         shutil.copytree(root, other)
         index = json.loads((root / "model_index.json").read_text())
