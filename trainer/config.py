@@ -225,6 +225,10 @@ class AdvantageConfig(Model):
     eps: float = Field(1e-4, gt=0)
     per_reward: bool = Field(False, description="GDPO: normalise each reward within its group, "
                              "combine with the reward weights, normalise over the batch")
+    streams: dict[str, list[str]] | None = Field(
+        None, description="Per-modality advantages (OmniNFT-style, nft only): latent stream "
+        "(e.g. video_latent, audio_latent) -> the scorers that judge it; each stream's entries "
+        "train with the advantage of its own weighted reward (trainer/algorithms/modality.py).")
     zero_advantage: ZeroAdvantageRule | None = Field(
         None, description="rows with advantage 0 left out of the update: keep (none), rows "
         "(each), groups (of all-zero groups); None = the algorithm's reference code: nft keep "
@@ -332,6 +336,13 @@ class TrainerConfig(Model):
                 self.algorithm is not Algorithm.FLOW_GRPO:
             raise ValueError("flow_grpo.ratio=grpo_guard is FlowGRPO's ratio: algorithm must be "
                              f"flow_grpo, not {self.algorithm.value}")
+        a = self.advantage
+        if a.streams is not None and (self.algorithm is not Algorithm.NFT or a.per_reward or
+                                      a.zero_advantage not in (None, ZeroAdvantageRule.KEEP)):
+            raise ValueError("advantage.streams (per-modality advantages) trains every row of "
+                             f"nft with its streams' own rewards: algorithm={self.algorithm.value}"
+                             f", per_reward={a.per_reward}, zero_advantage="
+                             f"{a.zero_advantage and a.zero_advantage.value} do not combine")
         if self.algorithm is Algorithm.DPO and self.advantage.zero_advantage is not None:
             raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
                              "(best, worst) pair per group and a tied group has none")

@@ -28,6 +28,7 @@ from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pai
                                 zero_advantage_groups, zero_advantage_rows, KLTarget,
                                 REFERENCE_ZERO_ADVANTAGE, PolicyRatio, grpo_guard_loss,
                                 reusable_rows, rollout_old_log_probs)
+from trainer.algorithms.modality import stream_advantages, stream_masks
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -117,8 +118,17 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
     if kept is None:        # every row left out: no signal, no step (counted, not faked)
         return UpdatePlan(algorithm, None, None, 0, noise_seed,
                           metrics | {"skipped_zero_advantage": 1.0}, skip=True)
-    if algorithm is Algorithm.NFT:
+    if algorithm is Algorithm.NFT and cfg.advantage.streams:        # per-modality (B, k)
+        a = cfg.advantage
+        per_stream = stream_advantages(batch.reward_values, batch.reward_weights, a.streams,
+                                       batch.group_ids, global_std=a.std is StdScope.GLOBAL,
+                                       ddof=a.ddof, eps=a.eps, adv_clip_max=clip)
+        values = torch.stack([optimality_probability(per_stream[s], cfg.nft.adv_clip_max,
+                                                     cfg.nft.adv_mode) for s in a.streams], 1)
+        metrics |= {f"adv_abs_mean_{s}": float(v.abs().mean()) for s, v in per_stream.items()}
+    elif algorithm is Algorithm.NFT:
         values = optimality_probability(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)    # (B,)
+    if algorithm is Algorithm.NFT:
         metrics |= {"nft_r_mean": float(values.mean()),
                     "nft_r_abs_dev": float((values - 0.5).abs().mean())}
     elif algorithm is Algorithm.AWM:
@@ -187,7 +197,8 @@ def run_update(learner: Learner, plan: UpdatePlan, cfg: TrainerConfig) -> dict[s
     if plan.pad_units:
         source = plan.batch if plan.batch is not None else plan.pad
         first = UNITS[plan.algorithm](source, m)[0]
-        values = plan.values if plan.batch is not None else torch.zeros(source.rows)
+        values = plan.values if plan.batch is not None else None if plan.values is None else \
+            torch.zeros((source.rows,) + tuple(plan.values.shape[1:]))
         work += [(source, values, first, 0.0)] * plan.pad_units
     for batch, values, unit, weight in work:
         RUNS[plan.algorithm](learner, batch, values, unit, weight, plan, cfg, sums)
@@ -243,10 +254,33 @@ def _nft_run(learner: Learner, batch: Batch, r_all: torch.Tensor, rows: torch.Te
             v_ref = (learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.REFERENCE,
                                       media=sub.inputs) if c.ref_kl_coef > 0 else None)
         v_theta = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.CURRENT, media=sub.inputs)
-        out = nft_loss(v_theta, v_old, x_sigma, x0, sigma, r, beta=c.beta,
-                       adv_clip_max=c.adv_clip_max, v_ref=v_ref, ref_kl_coef=c.ref_kl_coef)
-        (out.loss * (weight / c.train_timesteps)).backward()
-        _add(sums, out.metrics(), weight / c.train_timesteps)
+        loss = 0.0
+        for mask, share, r_s in _streams(learner, batch, cfg, r, x0.shape[1:]):
+            pick = (lambda t: t) if mask is None else (lambda t: t[:, mask])  # noqa: E731
+            out = nft_loss(pick(v_theta), pick(v_old), pick(x_sigma), pick(x0), sigma, r_s,
+                           beta=c.beta, adv_clip_max=c.adv_clip_max,
+                           v_ref=None if v_ref is None else pick(v_ref),
+                           ref_kl_coef=c.ref_kl_coef)
+            loss = loss + out.loss * share
+            _add(sums, out.metrics(), share * weight / c.train_timesteps)
+        (loss * (weight / c.train_timesteps)).backward()
+
+
+def _streams(learner: Learner, batch: Batch, cfg: TrainerConfig, r: torch.Tensor,
+             state_shape) -> list[tuple[torch.Tensor | None, float, torch.Tensor]]:
+    """(entries, loss share, optimality) per trained stream: the whole state with r (B,), or
+    under per-modality advantages (r: (b, streams)) each stream's entries with its own r,
+    weighted by its share of the streams' entries."""
+    if r.ndim == 1:
+        return [(None, 1.0, r)]
+    names = list(cfg.advantage.streams)
+    numel = int(torch.tensor(state_shape).prod())
+    index = torch.arange(numel, dtype=torch.float64).reshape(1, *state_shape)
+    parts = learner.family.codec.split_state(index, batch.sampling)
+    masks = stream_masks(parts, state_shape, names)
+    total = sum(int(m.sum()) for m in masks.values())
+    return [(masks[n].to(r.device), int(masks[n].sum()) / total, r[:, k])
+            for k, n in enumerate(names)]
 
 
 def nft_update(learner: Learner, batch: Batch, cfg: TrainerConfig,
