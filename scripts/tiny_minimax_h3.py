@@ -4,7 +4,8 @@
 
 Components, each saved by its own `save_pretrained` in its subfolder: `text_encoder`
 (Qwen3VLForConditionalGeneration with 51 text layers, since the pipeline reads hidden_states[50]
-and refuses a shorter stack, grouped KV heads and a one-block vision tower), `tokenizer` (a
+and refuses a shorter stack, 8 query / 4 key-value heads as the real conditioner groups them
+(etp 2 and 4 split it, 3 does not) and a two-block vision tower), `tokenizer` (a
 byte-level BPE Qwen2Tokenizer learned on the project corpus with Qwen-VL's vision specials),
 `processor` (Qwen3VLProcessor over that tokenizer), `vae` (AutoencoderKLMiniMaxH3 with the real
 16x spatial / 17-frame chunk geometry), `audio_vae` (AutoencoderKLMiniMaxH3Audio with the real hop
@@ -82,8 +83,8 @@ def qwen3_vl(seed: int, tokenizer):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
     config = Qwen3VLConfig(
         text_config={"vocab_size": VOCAB_SIZE, "hidden_size": TEXT_HIDDEN, "intermediate_size": 48,
-                     "num_hidden_layers": TEXT_LAYERS, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 4096,
+                     "num_hidden_layers": TEXT_LAYERS, "num_attention_heads": 8,
+                     "num_key_value_heads": 4, "head_dim": 8, "max_position_embeddings": 4096,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
         vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,

@@ -285,7 +285,7 @@ def test_qwen3_vl_etp2_equals_unsharded(setup, minimax_root, tmp_path):
     text = family.conditioner.encode(models.encoders, bundles)
     shown = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
                                                    bundles[0], [FIRST, LAST])
-    assert got["q_rows"] == 4 * 8 // 2                 # each rank holds half the query heads
+    assert got["q_rows"] == 8 * 8 // 2                 # each rank holds half the query heads
     for ref, name in ((text, "text"), (shown, "shown")):
         for key, value in ref.tensors.items():
             assert torch.allclose(got[name][key].float(), value.float(), atol=1e-5), key
@@ -297,8 +297,8 @@ def test_qwen3_vl_etp_plan_checks_heads(setup):
     plan = family.spec.encoder(QWEN3_VL).etp
     names = tp_plan(models.encoders[QWEN3_VL], plan, 2)
     assert len(names) == 1 + 51 * 7                     # embedding + 7 linears per layer
-    assert check_family_etp(family, 2) == 2
-    with pytest.raises(ConfigError) as err:             # 2 key/value heads: 4 does not divide
-        check_family_etp(family, 4)
-    assert err.value.field == "etp" and err.value.actual == 4
-    assert err.value.expected == [1, 2]
+    assert check_family_etp(family, 2) == 2 and check_family_etp(family, 4) == 4
+    with pytest.raises(ConfigError) as err:             # 4 key/value heads: 3 does not divide
+        check_family_etp(family, 3)
+    assert err.value.field == "etp" and err.value.actual == 3
+    assert err.value.expected == [1, 2, 4]
