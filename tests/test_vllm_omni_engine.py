@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from contract import (LoRAMapError, MissingArtifactError, PolicyVersionError,
-                      RequestCancelledError, RolloutRequest, SamplerKind, SamplingSpec, Task,
-                      UnexpectedArtifactError)
+from contract import (LoRAMapError, MissingArtifactError, NonFiniteOutputError,
+                      PolicyVersionError, RequestCancelledError, RolloutRequest, SamplerKind,
+                      SamplingSpec, Task, UnexpectedArtifactError)
 from rollout.engine_api import DiffusionEngine, EngineRequest
 from rollout.vllm_omni.engine import VllmOmniEngine
 from testing.vllm_omni_fake import fake_api
@@ -213,6 +213,18 @@ def test_missing_or_undeclared_output_fails_closed(engine, built):
                          0, {})
     with pytest.raises(PolicyVersionError):
         normalize_output(out, req, engine.adapter, 7, {})
+    # a non-finite value from the worker is this request's server-side fault, never a 200
+    poisoned = out.trajectory_log_probs.clone()
+    poisoned[0, -1] = float("nan")
+    with pytest.raises(NonFiniteOutputError) as err:
+        normalize_output(dataclasses.replace(out, trajectory_log_probs=poisoned), req,
+                         engine.adapter, 0, {})
+    assert err.value.field == "trajectory.log_probs" and err.value.http_status == 500
+    latent = {"image_latent": torch.full_like(out.images[0]["image_latent"], float("inf"))}
+    with pytest.raises(NonFiniteOutputError) as err:
+        normalize_output(dataclasses.replace(out, images=[latent]), req, engine.adapter, 0, {})
+    assert err.value.field == "artifacts.image_latent" and err.value.request_id == \
+        req.request.request_id
 
 
 def test_importing_the_project_does_not_import_vllm():

@@ -16,6 +16,7 @@ from contract import (Condition, MediaArtifact, MissingArtifactError, OutputCont
                       PolicyVersionError, ReplicaFailedError, SamplerKind, SamplingSpec, StopReason,
                       Trajectory, UnexpectedArtifactError, collect_artifacts)
 from rollout.engine_api import EngineRequest, EngineResult
+from rollout.recorder import check_finite
 
 RL_GROUP = "rl"   # our metadata group inside the envelope (vLLM-Omni tolerates unknown groups)
 
@@ -123,6 +124,8 @@ def normalize_output(out: Any, request: EngineRequest, adapter: ModelFamily,
                                           field=f"artifacts.{name}",
                                           expected=list(adapter.io_spec.names), actual=name,
                                           request_id=rid)
+        if isinstance(data, torch.Tensor) and data.is_floating_point():
+            check_finite(data, f"artifacts.{name}", rid)     # the server's fault, not a 4xx
         produced.append(MediaArtifact(adapter.io_spec[name], data))
     latents = collect_artifacts(adapter.io_spec, request.latent_artifacts, produced, rid)
 
@@ -150,6 +153,8 @@ def normalize_output(out: Any, request: EngineRequest, adapter: ModelFamily,
         seeds=tuple(rl["seeds"]), policy_version=request.policy_version,
         frozen_mask=rl.get("frozen_mask"))
     _check_trajectory(trajectory, s, rid)
+    check_finite(trajectory.latents, "trajectory.latents", rid)
+    check_finite(trajectory.log_probs, "trajectory.log_probs", rid)
     return EngineResult(request_id=rid, latents=latents, trajectory=trajectory,
                         policy_version=request.policy_version, stop_reason=StopReason.FINISHED,
                         metrics=dict(metrics))
