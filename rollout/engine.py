@@ -53,7 +53,7 @@ from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
 from rollout.engine_api import EngineRequest, EngineResult, RolloutTree
 from rollout.engine_state import BatchKey, PersistentBatch, RequestState, schedule
-from rollout.recorder import ProposedStep, RowFork, SampleRecorder
+from rollout.recorder import ProposedStep, RowFork, SampleRecorder, propose_stacked
 from rollout.full_weights import PolicySlots
 from rollout.lora import LoRASlotGroup
 
@@ -349,16 +349,14 @@ class EmbeddedEngine:
                 continue
             proposed: dict[int, ProposedStep] = {}
             failed: list[RequestState] = []
-            offset = 0
-            for state in batch:
-                sl = slice(offset, offset + state.rows)
-                offset += state.rows
-                try:                                         # its own sampler step
-                    proposed[id(state)] = state.recorder.propose(
-                        x[sl], v_all[sl], state.forks.get(state.step))
-                except Exception as exc:  # noqa: BLE001 - this request's step only
-                    self._fail(state, _step_error(exc, state.request_id))
+            steps = propose_stacked([s.recorder for s in batch], [s.rows for s in batch],
+                                    x, v_all, [s.forks.get(s.step) for s in batch])
+            for state, step in zip(batch, steps):            # each request's own step
+                if isinstance(step, Exception):              # this request's step only
+                    self._fail(state, _step_error(step, state.request_id))
                     failed.append(state)
+                else:
+                    proposed[id(state)] = step
             if failed:                   # redo the forward without them: nothing recorded yet
                 batch = [s for s in batch if s not in failed]
                 continue

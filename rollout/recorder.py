@@ -16,7 +16,8 @@ Nothing non-finite leaves: `propose` checks the velocity it is given and the sam
 it computes, row by row, and raises NonFiniteOutputError for this request without changing its
 state; `commit` then records the step (`advance` = both). An engine that batches requests
 proposes every request's step before committing any, so a request that fails its step can be
-taken out and the others' forward redone without it.
+taken out and the others' forward redone without it; `propose_stacked` computes the steps of
+many requests' stacked rows in one transition per (kind, noise level) where they can share it.
 
 An engine may hand the recorder every stochastic step's noise at construction (`noise`, drawn
 once per request ahead of its first step) and fork its rows: a step proposed with `fork` runs
@@ -26,13 +27,13 @@ re-indexes the recorded prefix the same way, so each child's trajectory is its w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
 from contract import NonFiniteOutputError, SamplerKind, SamplingSpec, Trajectory
 from diffusion.noise import row_noise
-from diffusion.samplers import DETERMINISTIC, SolverHistory, StepOutput
+from diffusion.samplers import DETERMINISTIC, MULTISTEP, SolverHistory, StepOutput
 from diffusion.step import FrozenLatents, transition
 from diffusion.windows import uses_sde
 
@@ -101,6 +102,12 @@ class SampleRecorder:
         if sampler in DETERMINISTIC:
             return sampler
         return sampler if uses_sde(self.step, self.window) else SamplerKind.ODE
+
+    def step_noise(self, rows: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """(rows, *S) fp32 noise of the current (stochastic) step."""
+        if self.noise is not None:
+            return self.noise[self.step]
+        return row_noise(self.seeds, self.step, shape).to(device, torch.float32)
 
     def sigmas_now(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigma, sigma_next) of the current step, (rows,) each."""
@@ -172,3 +179,69 @@ class SampleRecorder:
             noise_level=s.noise_level, guidance_scale=s.guidance_scale, seeds=self.seeds,
             policy_version=policy_version,
             frozen_mask=None if self.frozen is None else self.frozen.mask[:1].cpu())
+
+
+def _shares_transition(recorder: SampleRecorder, fork: RowFork | None) -> bool:
+    """One-step kinds without held entries or a fork run in a transition shared by requests."""
+    return fork is None and recorder.frozen is None and recorder.history is None and \
+        recorder.sampling.sampler not in MULTISTEP
+
+
+def propose_stacked(recorders: Sequence[SampleRecorder], rows: Sequence[int], x: torch.Tensor,
+                    v: torch.Tensor, forks: Sequence[RowFork | None]
+                    ) -> list[ProposedStep | Exception]:
+    """Each request's `propose` on its rows of the stacked x, v ((R, *S), rows[i] rows of
+    request i, in order; a fork's rows before it): requests whose step is the same one-step kind at the same noise level share one
+    transition (per-row sigmas and noise; the same values as their own steps). Returns per
+    request its ProposedStep, or the exception its own propose raises (NaN / Inf rows are
+    found on the shared step, then the request's own propose names them)."""
+    out: list[ProposedStep | Exception | None] = [None] * len(recorders)
+    slices, offset = [], 0
+    for n in rows:
+        slices.append(slice(offset, offset + n))
+        offset += n
+    groups: dict[tuple, list[int]] = {}
+    for i, (recorder, fork) in enumerate(zip(recorders, forks)):
+        if _shares_transition(recorder, fork):
+            groups.setdefault((recorder.kind(), recorder.sampling.noise_level), []).append(i)
+    alone = [i for i in range(len(recorders)) if not any(i in g for g in groups.values())]
+    for (kind, noise_level), members in groups.items():
+        if len(members) == 1:
+            alone.extend(members)
+            continue
+        parts = [slices[i] for i in members]
+        contiguous = all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+        pick = (lambda t: t[parts[0].start:parts[-1].stop]) if contiguous else \
+            (lambda t: torch.cat([t[sl] for sl in parts]))
+        xg, vg = pick(x), pick(v)
+        sigma = torch.cat([recorders[i].sigmas_now(rows[i])[0] for i in members])
+        sigma_next = torch.cat([recorders[i].sigmas_now(rows[i])[1] for i in members])
+        noise = None
+        if kind not in DETERMINISTIC:
+            noise = torch.cat([recorders[i].step_noise(rows[i], tuple(x.shape[1:]), x.device)
+                               for i in members])
+        step = transition(kind, xg, vg, sigma, sigma_next, noise_level, noise)
+        finite = _finite_rows(vg) & _finite_rows(step.prev_sample)
+        if step.log_prob is not None:
+            finite &= torch.isfinite(step.log_prob)
+        start = 0
+        for i, sl in zip(members, parts):
+            n = rows[i]
+            if not bool(finite[start:start + n].all()):      # its own propose names the rows
+                alone.append(i)
+            else:
+                part = StepOutput(*(None if f is None else f[start:start + n] for f in (
+                    step.prev_sample, step.log_prob, step.mean, step.std, step.sqrt_dt,
+                    step.std_dev_t)))
+                out[i] = ProposedStep(recorders[i].step, x[sl], part)
+            start += n
+    for i in alone:
+        try:
+            out[i] = recorders[i].propose(x[slices[i]], v[slices[i]], forks[i])
+        except Exception as exc:  # noqa: BLE001 - the caller fails this request only
+            out[i] = exc
+    return out
+
+
+def _finite_rows(value: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
