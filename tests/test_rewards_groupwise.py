@@ -257,3 +257,37 @@ def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, t
     assert metrics["zero_adv_group_share"] == 0.0 and metrics["dropped_group_share"] == 0.0
     assert metrics["flow_grpo/ratio_mean"] == metrics["ratio_mean"]
     assert metrics["flow_grpo/clipfrac"] == metrics["clipfrac"]
+
+
+def test_ingress_plans_no_decode_for_a_latent_scorer_and_refuses_a_group_of_one(clip_dir,
+                                                                                tmp_path):
+    """The ingress's own decisions, in-process (the deployed twin: test_rewards_graph_groupwise):
+    a latent-reading scorer adds no decode; a groupwise scorer refuses a one-sample request
+    before any stage, naming sampling.seeds."""
+    from adapters.tiny_t2i import TinyT2IFamily
+    from contract import InvalidRequestError, RolloutRequest, SamplingSpec, Task
+    from deployments.config import load_graph_config
+    from deployments.ingress import RolloutGraph
+    _write_head(tmp_path / "head.safetensors")
+    latent = {"name": "latent", "inputs": ["image_latent"], "scorer": {
+        "kind": "latent_head", "params": {"head_path": str(tmp_path / "head.safetensors")}}}
+    rank = {"name": "rank", "inputs": ["image"],
+            "scorer": {"kind": "pickscore_rank", "params": {"model_dir": clip_dir}}}
+    family = TinyT2IFamily()
+
+    def ingress(scorers):
+        graph = RolloutGraph.__new__(RolloutGraph)
+        graph.config = load_graph_config({"rollout": {"adapter": "tiny_t2i"},
+                                          "scorers": scorers})
+        graph.family, graph.io_spec = family, family.io_spec
+        return graph
+    assert ingress([latent])._decoded_plan(("image_latent",)) == {}
+    assert ingress([latent, rank])._decoded_plan(("image_latent",)) == {
+        "image_latent": ("image",)}
+    bundle = family.conditioner.tokenize(["a red circle at the top left"])[0]
+    one = RolloutRequest(prompt=bundle, task=Task.T2I,
+                         sampling=SamplingSpec(num_steps=4, seeds=(3,)))
+    with pytest.raises(InvalidRequestError) as e:
+        ingress([latent, rank])._validate(one)
+    assert e.value.field == "sampling.seeds" and e.value.actual == 1
+    ingress([latent])._validate(one)              # a pointwise graph takes it
