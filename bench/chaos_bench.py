@@ -1,12 +1,12 @@
 """Chaos on every stage of the graph on a two-node loopback cluster, under HTTP + handle load with
-a trainer attached from its own process (bench/chaos.py), then the rollout node lost and back.
+a trainer attached from its own process (testing/chaos.py), then the rollout node lost and back.
 
     python -m bench.chaos_bench [--handle-workers 2] [--http-workers 2] [--fault-window 10]
 
 Writes bench/results/chaos.json (one row per scenario: what was killed, requests sent / answered
 / answered twice, typed retryable failures by kind, untyped or lost, seconds to healthy, the
 trainer's steps after the fault) and chaos.png; `all_invariants_hold` is true when no row has a
-problem (bench.chaos.check_row). The same scenarios run small in tests/test_cluster.py.
+problem (testing.chaos.check_row). The same scenarios run small in tests/test_cluster.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.chaos import (SCENARIOS, AttachedTrainer, ChaosSetup, check_row,
+from testing.chaos import (SCENARIOS, AttachedTrainer, ChaosSetup, check_row,
                          cluster_graph_config, run_node_loss, run_scenario, two_node_cluster,
                          wait_for)
 from testing.loopback import LOOPBACK_ENV

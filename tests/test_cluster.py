@@ -9,7 +9,7 @@ session cluster stays untouched).
 Checks, in order: every stage runs where its declared resources / labels put it (the ETP shards
 packed with their replica on one node, the policy store on the head); placements no node can
 hold are ConfigErrors naming the stage and the resource at build time; chaos on every stage under
-HTTP + handle load with a trainer attached from a third process (the chaos table, bench/chaos.py);
+HTTP + handle load with a trainer attached from a third process (the chaos table, testing/chaos.py);
 the rollout node's raylet killed mid-load -- typed retryable failures, none lost, none answered
 twice -- and the graph serving again when the node returns.
 """
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from bench.chaos import (ROLLOUT_LABEL, SCENARIOS, STAGES_LABEL, AttachedTrainer, ChaosSetup,
+from testing.chaos import (ROLLOUT_LABEL, SCENARIOS, STAGES_LABEL, AttachedTrainer, ChaosSetup,
                          check_row, cluster_graph_config, run_node_loss, run_scenario,
                          two_node_cluster, wait_for)
 from contract import ConfigError

@@ -16,7 +16,7 @@ and the attached trainer's steps completed after the kill (it retries lost rollo
 republishes its versions to a restarted store: trainer/loop.py, trainer/sync.py).
 
 Used by the cluster tests (tests/test_cluster.py, small load) and bench/chaos_bench.py; the
-traffic and its ledger are bench/chaos_traffic.py.
+traffic and its ledger are testing/chaos_traffic.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-from bench.chaos_traffic import PROMPTS, Ledger, Traffic
+from testing.chaos_traffic import PROMPTS, Ledger, Traffic
 
 SCENARIOS = ("etp_shard_worker", "decoder_replica", "scorer_replica", "ingress_replica",
              "policy_store_actor", "autoscale")

@@ -1,4 +1,4 @@
-"""The traffic of a chaos run (bench/chaos.py) and its ledger: closed-loop clients through the
+"""The traffic of a chaos run (testing/chaos.py) and its ledger: closed-loop clients through the
 ingress handle and over HTTP, one request in flight each, a retryable failure retried with the
 same id; the ledger records every id sent and what came back (answered once, failed retryable,
 or a defect: untyped, lost, answered twice or as another id).
