@@ -302,3 +302,87 @@ def test_qwen3_vl_etp_plan_checks_heads(setup):
         check_family_etp(family, 3)
     assert err.value.field == "etp" and err.value.actual == 3
     assert err.value.expected == [1, 2, 4]
+
+
+# ---- the tiny twin of configs/train_minimax_h3_gpu.yaml trains in process ---------------------
+
+TINY_RECIPE, GPU_RECIPE = "configs/train_minimax_h3_tiny.yaml", "configs/train_minimax_h3_gpu.yaml"
+
+
+def test_tiny_recipe_trains_two_nft_steps_through_the_engine_and_learner(setup, minimax_root):
+    """configs/train_minimax_h3_tiny.yaml's settings: rollouts from the embedded engine with the
+    learner's published LoRA, a reward of the rollouts' own latents, two DiffusionNFT steps that
+    move the adapter (finite loss), the second sampled with the first step's version."""
+    import asyncio
+    import copy
+
+    from rollout.engine import EmbeddedEngine
+    from rollout.engine_api import EngineRequest
+    from tests.test_trainer_local import _outputs
+    from trainer.config import PromptSource, load_trainer_config
+    from trainer.learner import Learner
+    from trainer.prompts import captions, make_requests
+    from trainer.rollout_batch import build_batch
+    from trainer.updates import UPDATES
+
+    family, models = setup[0], setup[1]
+    cfg = load_trainer_config(TINY_RECIPE, {"graph.rollout.weights_path": str(minimax_root)})
+    engine = EmbeddedEngine(family, copy.deepcopy(models.transformers), models.media)
+    learner = Learner(family, copy.deepcopy(models.transformers), models.encoders, cfg.lora,
+                      cfg.optimizer)
+    latents = ("video_latent", "audio_latent")
+    start = [p.detach().clone() for p in learner.params]
+    try:
+        for step in range(2):
+            version = f"mm-v{step}"
+            tensors, scale = learner.export()
+            engine.load_lora(version, tensors, scale)
+            prompts = family.conditioner.tokenize(
+                captions(PromptSource.CLIPS, cfg.prompts_per_step, step))
+            requests = make_requests(family, prompts, cfg.sampler, cfg.samples_per_prompt, step,
+                                     version, task=cfg.task)
+
+            async def go():
+                return [await engine.generate(EngineRequest(r, learner.encode([p]), None,
+                                                            latents, {}, version))
+                        for r, p in zip(requests, prompts)]
+            results = asyncio.run(go())
+            # reward: how close each sample's audio latent is to silence (a real function of it)
+            rewards = [(-e.latents["audio_latent"].data.abs().mean(dim=(1, 2))).tolist()
+                       for e in results]
+            batch = build_batch(learner, prompts, _outputs(requests, results, rewards),
+                                [r.sampling for r in requests])
+            metrics = UPDATES[cfg.algorithm](learner, batch, cfg,
+                                             torch.Generator().manual_seed(step))
+            assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    finally:
+        asyncio.run(engine.shutdown())
+    moved = max((p.detach() - s).abs().max().item() for p, s in zip(learner.params, start))
+    assert moved > 0
+
+
+def test_gpu_recipe_validates_with_the_reports_settings(minimax_root):
+    """8 GPUs, the conditioner at ETP 4 (checked against a checkpoint of the same layout), NFT
+    on FL2VA at 288 x 448, and the tiny twin is the same recipe in what it trains."""
+    from deployments.etp import check_family_etp
+    from trainer.config import load_trainer_config
+    path = {"graph.rollout.weights_path": str(minimax_root)}
+    gpu = load_trainer_config(GPU_RECIPE, path)
+    tiny = load_trainer_config(TINY_RECIPE, path)
+    graph = gpu.graph_config()
+    assert gpu.task is Task.FL2VA and gpu.algorithm.value == "nft"
+    assert (gpu.sampler.height, gpu.sampler.width) == (288, 448)
+    assert graph.encoder.etp == 4 and graph.encoder.num_gpus_per_shard > 0
+    # devices: one per ETP shard, per rollout replica (at most), per learner worker; the two
+    # decoders fit beside the shards
+    devices = (graph.encoder.etp
+               + graph.rollout_stage.autoscaling.max_replicas * graph.rollout_stage.num_gpus
+               + gpu.learner.workers * gpu.learner.resources_per_worker["GPU"])
+    assert devices == 8
+    assert 2 * graph.decoder.num_gpus <= graph.encoder.etp * (1 - graph.encoder.num_gpus_per_shard)
+    assert check_family_etp(MiniMaxH3Family(minimax_root), graph.encoder.etp) == 4
+    for key in ("algorithm", "sampler.sampler", "sampler.guidance_scale", "nft.beta",
+                "optimizer.lr", "learner.gradient_checkpointing"):
+        section, _, name = key.partition(".")
+        a, b = getattr(gpu, section), getattr(tiny, section)
+        assert (getattr(a, name) if name else a) == (getattr(b, name) if name else b), key
