@@ -43,11 +43,19 @@ class TinyCheckpoint:
     """A tiny random checkpoint of a family in the published layout (for tests): its name
     (`scripts.tiny_checkpoints --family NAME`), the pipeline class that saves it, the builder of
     its seeded components ("module:function", seed -> scripts.tiny_families.Parts) and the
-    call it is sized for."""
+    call it is sized for. A layout no pipeline class's save_pretrained writes (a modular
+    pipeline's) names a `writer` instead of a builder: "module:function", (root, seed) -> the
+    folder root/NAME it wrote."""
     name: str
     pipeline_class: str
-    builder: str
+    builder: str | None
     sample_size: SampleSize
+    writer: str | None = None
+
+    @property
+    def source_module(self) -> str:
+        """The module that makes it (the builder's or the writer's)."""
+        return (self.writer or self.builder or "").partition(":")[0]
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,20 @@ def build(family: str | Family, root: Path, seed: int = 0) -> Path:
         raise FileExistsError(f"tiny checkpoint directory already exists: {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     entry = tiny_entry(family)
-    with torch.random.fork_rng(devices=[]):
-        parts = resolve(entry.builder)(seed)         # scripts.tiny_families.Parts
-    pipeline = getattr(diffusers, entry.pipeline_class)(**parts.components, **parts.config)
     staging = Path(tempfile.mkdtemp(prefix=f".{family.value}-", dir=target.parent))
     try:
+        if entry.writer is not None:                 # a layout the writer writes itself
+            with torch.random.fork_rng(devices=[]):
+                written = Path(resolve(entry.writer)(staging, seed))
+            if written != staging / family.value:
+                raise FileNotFoundError(f"{entry.writer} wrote {written}, not "
+                                        f"{staging / family.value}")
+            written.rename(target)
+            shutil.rmtree(staging)
+            return target
+        with torch.random.fork_rng(devices=[]):
+            parts = resolve(entry.builder)(seed)     # scripts.tiny_families.Parts
+        pipeline = getattr(diffusers, entry.pipeline_class)(**parts.components, **parts.config)
         pipeline.save_pretrained(staging, safe_serialization=True)
         _write_real_tokenizer_forms(staging, parts.components)
         staging.rename(target)

@@ -28,7 +28,7 @@ def cache_key(family: str | Family) -> str:
     digest = hashlib.sha256(repr(entry).encode() + b"\0")
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     sources = [scripts / name for name in BUILDERS]
-    builder = Path(importlib.util.find_spec(entry.builder.partition(":")[0]).origin)
+    builder = Path(importlib.util.find_spec(entry.source_module).origin)
     for path in sources + ([builder] if builder not in sources else []):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for lib in LIBRARIES:

@@ -34,7 +34,8 @@ def test_every_entry_resolves_to_what_it_names(entry):
     if issubclass(family, CheckpointFamily):          # its constructor reads this entry
         assert family.entry_name == entry.name
     for tiny in entry.tiny_checkpoints:
-        assert callable(resolve(tiny.builder))
+        assert (tiny.builder is None) != (tiny.writer is None)    # one way to make it
+        assert callable(resolve(tiny.writer or tiny.builder))
         assert tiny.pipeline_class in entry.pipeline_classes      # `auto` finds its family
         assert FAMILY_OF_PIPELINE[tiny.pipeline_class] == entry.name
 
@@ -55,3 +56,34 @@ def test_unknown_names_and_classes_are_typed_errors(tmp_path):
     with pytest.raises(ConfigError) as err:
         family_entry("sd3").pipeline_class_of({"_class_name": "FluxPipeline"})
     assert (err.value.field, err.value.actual) == ("weights_path", "FluxPipeline")
+
+
+def _write_folder(root, seed):
+    (root / "sd3").mkdir()
+    (root / "sd3" / "model_index.json").write_text(f'{{"seed": {seed}}}')
+    return root / "sd3"
+
+
+def _write_elsewhere(root, seed):
+    (root / "other").mkdir()
+    return root / "other"
+
+
+def test_a_writer_entry_writes_its_own_layout_atomically(tmp_path, monkeypatch):
+    """A checkpoint whose layout no pipeline class saves (a modular pipeline's) is written by
+    its entry's writer, renamed into place; a writer that wrote elsewhere leaves nothing."""
+    import dataclasses
+
+    from scripts import tiny_checkpoints
+    sd3 = TINY_CHECKPOINTS["sd3"]
+    for writer in ("_write_folder", "_write_elsewhere"):
+        entry = dataclasses.replace(sd3, builder=None, writer=f"tests.test_family_table:{writer}")
+        monkeypatch.setattr(tiny_checkpoints, "tiny_entry", lambda family, e=entry: e)
+        if writer == "_write_folder":
+            path = tiny_checkpoints.build("sd3", tmp_path / "ok", seed=3)
+            assert (path / "model_index.json").read_text() == '{"seed": 3}'
+            assert sorted(p.name for p in (tmp_path / "ok").iterdir()) == ["sd3"]
+        else:
+            with pytest.raises(FileNotFoundError):
+                tiny_checkpoints.build("sd3", tmp_path / "bad")
+            assert list((tmp_path / "bad").iterdir()) == []
