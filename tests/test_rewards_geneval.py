@@ -130,26 +130,12 @@ def test_rules_on_constructed_detections():
 
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory):
-    from transformers import (DetrConfig, DetrForObjectDetection, DetrImageProcessor,
-                              ResNetConfig)
     from testing import preference_snapshots as ps
+    from testing.detector_snapshots import write_tiny_detr
     root = tmp_path_factory.mktemp("geneval")
-    cfg = DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False,
-                     backbone_config=ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
-                                                  depths=[1, 1], out_features=["stage2"],
-                                                  layer_type="basic"),
-                     d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                     num_queries=12, id2label=dict(enumerate(CLASSES)),
-                     label2id={c: i for i, c in enumerate(CLASSES)})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        DetrForObjectDetection(cfg).save_pretrained(root / "detr")
-    DetrImageProcessor(size={"shortest_edge": 32, "longest_edge": 64}).save_pretrained(
-        root / "detr")
-    clip = ps.write_hf_clip_dir(root / "clip")
     return build_scorer(ScorerSpec(kind="geneval", params={
-        "detector_dir": str(root / "detr"), "clip_dir": clip, "threshold": 0.0}))
+        "detector_dir": write_tiny_detr(root / "detr", CLASSES),
+        "clip_dir": ps.write_hf_clip_dir(root / "clip"), "threshold": 0.0}))
 
 
 def test_scorer_end_to_end_on_a_tiny_detector(scorer):

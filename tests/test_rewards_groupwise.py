@@ -218,7 +218,9 @@ def tiny():
     asyncio.run(engine.shutdown())
 
 
-def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, tmp_path):
+def test_new_rewards_drive_a_training_step(tiny, rank_scorer, judge_server, clip_dir, tmp_path):
+    """PickScore_Rank, the pairwise judge's win rate, GenEval and the latent head score the
+    engine's groups (decoded by the family's VAE) and their total trains one FlowGRPO step."""
     from contract import Algorithm
     from tests.test_trainer_local import _rollout
     from trainer.prompts import captions, make_requests
@@ -234,6 +236,12 @@ def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, t
     _write_head(tmp_path / "head.safetensors")
     latent = build_scorer(ScorerSpec(kind="latent_head", params={
         "head_path": str(tmp_path / "head.safetensors")}))
+    from testing.detector_snapshots import write_tiny_detr
+    pairwise = build_scorer(ScorerSpec(kind="vlm_pairwise", params={
+        "base_url": f"{judge_server[1]}/v1", "model": "tiny-llava"}))
+    geneval = build_scorer(ScorerSpec(kind="geneval", params={
+        "detector_dir": write_tiny_detr(tmp_path / "detr", ("circle", "square", "triangle")),
+        "clip_dir": clip_dir, "threshold": 0.0}))
     vae = adapter.load_decoder("image_latent")
     outputs = []
     for req, res in zip(requests, results):
@@ -241,11 +249,20 @@ def test_groupwise_and_latent_rewards_drive_a_training_step(tiny, rank_scorer, t
         image = MediaArtifact(IMAGE, adapter.codec.decode("image_latent", vae, z.data,
                                                           req.sampling))
         text = (req.prompt.text or "",) * 4
-        ranked = rank_scorer.score(ScoreRequest({"image": image}, text, groups=(4,)))
-        head = latent.score(ScoreRequest({"image_latent": z}, text, groups=(4,)))
-        assert sorted(ranked.scores["rank"]) == [0.0, 0.25, 0.5, 0.75]
-        total = tuple(r + h for r, h in zip(ranked.scores["rank"], head.scores["latent_reward"]))
-        report = RewardReport({"rank": ranked, "latent": head}, total, {"rank": 1, "latent": 1})
+        meta = ({"tag": "single_object", "prompt": text[0],
+                 "include": [{"class": "circle", "count": 1}]},) * 4
+        scored = {"rank": rank_scorer.score(ScoreRequest({"image": image}, text, groups=(4,))),
+                  "latent": latent.score(ScoreRequest({"image_latent": z}, text, groups=(4,))),
+                  "pairwise": pairwise.score(ScoreRequest({"image": image}, text, groups=(4,))),
+                  "geneval": geneval.score(ScoreRequest({"image": image}, text, meta))}
+        assert sorted(scored["rank"].scores["rank"]) == [0.0, 0.25, 0.5, 0.75]
+        assert sum(scored["pairwise"].scores["win_rate"]) == pytest.approx(2.0)  # 6 pairs / 3
+        assert set(scored["geneval"].scores["correct"]) <= {0.0, 1.0}
+        values = {k: out.scores[getattr({"rank": rank_scorer, "latent": latent,
+                                         "pairwise": pairwise, "geneval": geneval}[k], "primary")]
+                  for k, out in scored.items()}
+        total = tuple(sum(v) for v in zip(*values.values()))
+        report = RewardReport(scored, total, {k: 1.0 for k in scored}, values)
         outputs.append(RolloutOutput(req.request_id, dict(res.latents), res.trajectory,
                                      res.policy_version, req.sampling.seeds, rewards=report))
     batch = build_batch(learner, prompts, outputs, [r.sampling for r in requests])
