@@ -134,6 +134,13 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         (TinyCheckpoint("ltx2", "LTX2Pipeline", "scripts.tiny_families:ltx2_parts",
                         SampleSize(64, 96, num_frames=9, frame_rate=25.0,
                                    max_sequence_length=16)),)),
+    FamilyEntry(
+        "minimax_h3", "adapters.minimax_h3:MiniMaxH3Family",
+        "adapters.minimax_h3:MiniMaxH3Options", ("MiniMaxH3ModularPipeline",),
+        # modular only: no DiffusionPipeline saves it, its writer writes the layout
+        (TinyCheckpoint("minimax_h3", "MiniMaxH3ModularPipeline", None,
+                        SampleSize(32, 64, num_frames=124, max_sequence_length=64),
+                        writer="scripts.tiny_minimax_h3:build"),)),
 )
 
 ENTRIES: dict[str, FamilyEntry] = {entry.name: entry for entry in FAMILIES}

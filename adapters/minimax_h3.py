@@ -40,17 +40,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.checkpoint import read_json, read_model_index
+from adapters.checkpoint import read_json
 from adapters.diffusers_parts import TokenizingConditioner, encoder_vocab_size
-from adapters.family import (Codec, EncoderSpec, ETPPlan, FamilySpec, MediaCondition,
-                             ModelFamily, Overflow, check_latent_shape, parse_options)
+from adapters.family import (CheckpointFamily, Codec, EncoderSpec, ETPPlan, FamilySpec,
+                             MediaCondition, Overflow, check_latent_shape, request_errors)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, MediaFormatError, MediaRole, Modality, PromptBundle,
                       Representation, RequestLimits, RolloutRequest, SamplingSpec, Task,
                       TimeConvention)
 from diffusion.guidance import GuidanceRule
 
-PIPELINE_CLASSES = ("MiniMaxH3ModularPipeline",)
 QWEN3_VL = "qwen3_vl"                       # the encoder's name (keys its ids in a PromptBundle)
 TEXT_ENCODER = "text_encoder"
 FPS = 24                                    # modular_pipeline.py MINIMAX_H3_FPS
@@ -564,18 +563,13 @@ class Qwen3VLConditioner(TokenizingConditioner):
         return self.rows([hidden], [torch.tensor(tags)])
 
 
-class MiniMaxH3Family(ModelFamily):
+class MiniMaxH3Family(CheckpointFamily):
     """MiniMax-H3 checkpoints (MiniMaxH3ModularPipeline layout, `transformer/` partition)."""
 
+    entry_name = "minimax_h3"
+
     def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        if index.get("_class_name") not in PIPELINE_CLASSES:
-            raise ConfigError("the checkpoint's pipeline class is not one minimax_h3 loads over "
-                              "its components", field="weights_path",
-                              expected=list(PIPELINE_CLASSES), actual=index.get("_class_name"))
-        self.pipeline_class = index["_class_name"]
-        self.options = parse_options(MiniMaxH3Options, options, "minimax_h3")
+        super().__init__(root, options)
         self.dims = MiniMaxH3Dims(self.root)
         self.schedules = MiniMaxH3Schedules(self.root)
         self.codec = MiniMaxH3Codec(self.dims)
@@ -619,12 +613,7 @@ class MiniMaxH3Family(ModelFamily):
         return self.schedules.shifts["scheduler"]
 
     def validate_request(self, request: RolloutRequest, limits: RequestLimits):
-        media = super().validate_request(request, limits)
-        try:
+        media = super().validate_request(request, limits)     # keyframes at the canvas size
+        with request_errors(request.request_id):
             self.sigmas(request.sampling)
-            for role, frame in media.items():
-                check_keyframe(frame, request.sampling, f"media.{role.value}")
-        except (InvalidRequestError, MediaFormatError) as exc:
-            exc.request_id = request.request_id
-            raise
         return media

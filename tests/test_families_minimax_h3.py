@@ -6,11 +6,7 @@ Qwen3-VL conditioner equal to the pipeline's prompt_embeds); the two schedules; 
 ETP plan sharded over 2 gloo ranks equal to the unsharded encoder; typed bad input."""
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import socket
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from contract import (ConfigError, GuidanceKind, InvalidRequestError, MediaForma
                       SamplingSpec, Task)
 from diffusion.noise import initial_noise
 from diffusion.step import Guidance, denoise_step
+from tests.family_conformance import FamilyChecks
 
 torch.set_num_threads(1)
 
@@ -32,35 +29,12 @@ _gen = torch.Generator().manual_seed(5)
 FIRST = torch.randint(0, 256, (3, 32, 64), generator=_gen, dtype=torch.uint8)
 LAST = torch.randint(0, 256, (3, 32, 64), generator=_gen, dtype=torch.uint8)
 KEYFRAMES = {MediaRole.FIRST_FRAME: FIRST, MediaRole.LAST_FRAME: LAST}
-LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
-
-
-def _cache_key() -> str:
-    digest = hashlib.sha256()
-    builder = Path(__file__).resolve().parent.parent / "scripts" / "tiny_minimax_h3.py"
-    for path in (builder, builder.parent / "tiny_tokenizers.py", builder.parent /
-                 "tiny_families.py"):
-        digest.update(path.read_bytes() + b"\0")
-    for lib in LIBRARIES:
-        digest.update(f"{lib}=={version(lib)}\0".encode())
-    return digest.hexdigest()[:20]
 
 
 @pytest.fixture(scope="session")
-def minimax_root(tmp_path_factory) -> Path:
-    """This session's copy of the tiny checkpoint, built once per builder / library version."""
-    from scripts.tiny_minimax_h3 import NAME, build
-    cache = Path(os.environ.get("OMNI_TINY_CHECKPOINT_CACHE") or Path.home() / ".cache" /
-                 "omni-rollout" / "tiny-checkpoints") / f"minimax_h3-{_cache_key()}"
-    if not (cache / NAME).is_dir():
-        staging = Path(tmp_path_factory.mktemp("minimax_h3_build"))
-        build(staging)
-        cache.mkdir(parents=True, exist_ok=True)
-        try:
-            (staging / NAME).rename(cache / NAME)
-        except OSError:
-            shutil.copytree(staging / NAME, cache / NAME, dirs_exist_ok=True)
-    return Path(shutil.copytree(cache / NAME, tmp_path_factory.mktemp("minimax_h3") / NAME))
+def minimax_root(tiny_checkpoint) -> Path:
+    """This session's copy of the tiny checkpoint (scripts/tiny_minimax_h3.py, cached)."""
+    return tiny_checkpoint("minimax_h3")
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +360,15 @@ def test_gpu_recipe_validates_with_the_reports_settings(minimax_root):
         section, _, name = key.partition(".")
         a, b = getattr(gpu, section), getattr(tiny, section)
         assert (getattr(a, name) if name else a) == (getattr(b, name) if name else b), key
+
+
+class TestMiniMaxH3Checks(FamilyChecks):
+    """What every family passes: LoRA targets, the LoRA file through diffusers' loader, engine
+    vs learner SDE log-probs (t2va; the audio rows' noise follows the video table's std)."""
+    family = "minimax_h3"
+    size = SIZE
+    steps = 3
+
+    @pytest.fixture(scope="class")
+    def root(self, minimax_root):
+        return minimax_root
