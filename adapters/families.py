@@ -141,6 +141,13 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         (TinyCheckpoint("minimax_h3", "MiniMaxH3ModularPipeline", None,
                         SampleSize(32, 64, num_frames=124, max_sequence_length=64),
                         writer="scripts.tiny_minimax_h3:build"),)),
+    FamilyEntry(
+        "qwen_image", "adapters.qwen_image:QwenImageFamily",
+        "adapters.qwen_image:QwenImageOptions",
+        ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+        (TinyCheckpoint("qwen_image", "QwenImagePipeline",
+                        "scripts.tiny_qwen_image:qwen_image_parts",
+                        SampleSize(64, 96, max_sequence_length=32)),)),
 )
 
 ENTRIES: dict[str, FamilyEntry] = {entry.name: entry for entry in FAMILIES}

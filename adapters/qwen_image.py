@@ -36,18 +36,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from adapters.checkpoint import read_json, read_model_index
+from adapters.checkpoint import read_json
 from adapters.diffusers_parts import FlowSchedule, TokenizingConditioner, encoder_vocab_size
-from adapters.family import (EncoderSpec, ETPPlan, FamilySpec, MediaCondition, ModelFamily,
-                             OneLatentCodec, Overflow, parse_options)
-from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
-                      IOSpec, Layout, Modality, PromptBundle, RequestLimits, Representation,
-                      RolloutRequest, SamplingSpec, Task, TimeConvention)
+from adapters.family import (CheckpointFamily, EncoderSpec, ETPPlan, FamilySpec,
+                             MediaCondition, OneLatentCodec, Overflow, check_latent_shape,
+                             image_io_spec, request_errors, unit_to_uint8)
+from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
+                      PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
+                      TimeConvention)
 from diffusion.guidance import NORM_RESCALED_CFG, CFGRule, GuidanceRule
 
 QWEN = "qwen"                         # the encoder's name (keys its ids in a PromptBundle)
-PIPELINE_CLASSES = ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
-                    "QwenImageInpaintPipeline")
 QWEN_IMAGE_GUIDANCE = GuidanceRule(GuidanceKind.CFG, CFGRule.ABOVE_ONE,
                                    source="pipeline_qwenimage.py:564")
 T2I_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
@@ -98,8 +97,7 @@ class QwenImageVAE:
         param = next(vae.parameters())
         z = latent.float()[:, :, None] * self.std + self.mean
         image = vae.decode(z.to(param.device, param.dtype), return_dict=False)[0][:, :, 0]
-        image = (image.float() / 2 + 0.5).clamp(0, 1)
-        return (image * 255).round().to(torch.uint8).cpu()
+        return unit_to_uint8(image).cpu()
 
     @torch.no_grad()
     def encode(self, vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -221,36 +219,18 @@ class QwenImageCodec(OneLatentCodec):
                sampling: SamplingSpec):
         self.check_latent_name(latent_name)
         rows, cols = self.grid(sampling)
-        if tuple(latent.shape[1:]) != (rows * cols, self.in_channels):
-            raise InvalidRequestError("the packed latent does not match the sampling size",
-                                      field=f"artifacts.{latent_name}",
-                                      expected=(rows * cols, self.in_channels),
-                                      actual=tuple(latent.shape[1:]))
+        check_latent_shape(latent, (rows * cols, self.in_channels), latent_name)
         return self.vae.decode(modules["vae"], unpack(latent.float(), rows, cols))
 
 
-def image_io_spec() -> IOSpec:
-    return IOSpec(artifacts=(
-        ArtifactSpec("image_latent", Modality.IMAGE, Representation.LATENT, Layout.TOKENS),
-        ArtifactSpec("image", Modality.IMAGE, Representation.DECODED, Layout.CHW,
-                     source="image_latent")), defaults=("image_latent", "image"))
-
-
-class QwenImageFamily(ModelFamily):
+class QwenImageFamily(CheckpointFamily):
     """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512)."""
 
-    pipeline_classes = PIPELINE_CLASSES
+    entry_name = "qwen_image"
     template, drop = T2I_TEMPLATE, T2I_DROP
 
     def __init__(self, root: str | Path, options: Mapping | None = None):
-        super().__init__(root)
-        index = read_model_index(self.root)
-        self.pipeline_class = index.get("_class_name")
-        if self.pipeline_class not in self.pipeline_classes:
-            raise ConfigError("the checkpoint's pipeline class is not one qwen_image loads "
-                              "over its components", field="weights_path",
-                              expected=list(self.pipeline_classes), actual=self.pipeline_class)
-        self.options = parse_options(QwenImageOptions, options, "qwen_image")
+        super().__init__(root, options)
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = QwenImageVAE(self.root)
@@ -270,7 +250,7 @@ class QwenImageFamily(ModelFamily):
                                 encoder_vocab_size(self.root, "text_encoder")),)
         side = 128 * vae.scale_factor       # the pipeline's default_sample_size x VAE: 1024 px
         self.spec = FamilySpec(
-            name="qwen_image", io_spec=image_io_spec(), tasks={Task.T2I: ()},
+            name="qwen_image", io_spec=image_io_spec(Layout.TOKENS), tasks={Task.T2I: ()},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
             guidance=QWEN_IMAGE_GUIDANCE, transformers=("transformer",),
             lora_targets={"transformer": QWEN_IMAGE_LORA_TARGETS}, encoders=encoders,
@@ -285,10 +265,12 @@ class QwenImageFamily(ModelFamily):
         n = sampling.num_steps
         custom = None if self.schedule.config.get("use_flow_sigmas") else \
             np.linspace(1.0, 1 / n, n)
-        return self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
-
-    def pipeline_scheduler(self, sampling: SamplingSpec):
-        return self.schedule.scheduler_at(self.sigmas(sampling))
+        sigmas = self.schedule.sigmas(n, self.codec.state_shape(sampling)[0], custom)
+        if not bool(torch.isfinite(sigmas).all()):     # shift_terminal stretches 1 step to 0/0
+            raise InvalidRequestError("the checkpoint's schedule is not finite at this step "
+                                      "count (its shift_terminal needs at least 2 steps)",
+                                      field="sampling.num_steps", expected=">= 2", actual=n)
+        return sigmas
 
     def schedule_shift(self, sampling: SamplingSpec) -> float:
         return self.schedule.static_shift(self.codec.state_shape(sampling)[0])
@@ -301,4 +283,7 @@ class QwenImageFamily(ModelFamily):
                                       "is the pipeline's usual) or a guidance_scale <= 1",
                                       field="prompt.negative", expected="a negative prompt",
                                       actual=None, request_id=request.request_id)
-        return super().validate_request(request, limits)
+        media = super().validate_request(request, limits)
+        with request_errors(request.request_id):
+            self.sigmas(request.sampling)
+        return media
