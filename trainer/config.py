@@ -19,7 +19,7 @@ from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from diffusion.windows import sliding_sde_window, sliding_window_exhausted
 from trainer.algorithms import (AWMWeighting, KLTarget, OldLogProbs, OldPolicySchedule,
-                                PolicyRatio, StdScope, TimestepOrder)
+                                PolicyRatio, StdScope, TimestepOrder, TreeAdvantage)
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
 from trainer.datasets import DatasetFormat
 from trainer.learner_config import LearnerConfig, check_recipe
@@ -157,6 +157,10 @@ class FlowGRPOConfig(Model):
         PolicyRatio.FLOW_GRPO, description="flow_grpo: exp(log p - log p_old); grpo_guard: "
         "GRPO-Guard's ratio, normalised by the step's std with the drift of the transition mean "
         "added (one extra no-grad forward per trained step for the old policy's mean).")
+    tree_advantage: TreeAdvantage = Field(
+        TreeAdvantage.BRANCH_DEPTHWISE, description="Branched rollouts (rows forked mid-denoise, "
+        "updates.plan_tree_update): branch_depthwise = BranchGRPO's per-depth z-scores of "
+        "leaf-mean node rewards; tree_backprop = TreeGRPO's leaf z-scores averaged up the tree.")
     guard_reweight: bool = Field(
         True, description="grpo_guard: divide each step's loss by sigma - sigma_next (verl-omni; "
         "false: Flow-Factory's unweighted loss). Only with ratio: grpo_guard.")

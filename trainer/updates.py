@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -28,7 +28,9 @@ from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pai
                                 zero_advantage_groups, zero_advantage_rows, KLTarget,
                                 REFERENCE_ZERO_ADVANTAGE, PolicyRatio, grpo_guard_loss,
                                 reusable_rows, rollout_old_log_probs)
+from rollout.engine_api import RolloutTree
 from trainer.algorithms.modality import stream_advantages, stream_masks
+from trainer.algorithms.tree import edge_weights, tree_advantages
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -94,6 +96,8 @@ class UpdatePlan:
     pad: Batch | None = None       # runs the same forwards (FSDP); rows for them if it has none
     old_version: str | None = None  # FlowGRPO: the version of the learner's policy before this
     # step (its old policy): rows it sampled may keep their rollout log-probs (OldLogProbs)
+    edge_weights: torch.Tensor | None = None  # branched rollouts: (B, N) weight of row b's step
+    # j (a transition shared by k rows weighs 1/k each); values then (B, N+1) per-node advantages
 
 
 def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
@@ -144,6 +148,51 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
     return UpdatePlan(algorithm, kept, values, kept.rows, noise_seed, metrics)
 
 
+def plan_tree_update(batch: Batch, cfg: TrainerConfig, gen: torch.Generator,
+                     node_of: torch.Tensor, old_version: str | None = None) -> UpdatePlan:
+    """FlowGRPO on branched rollouts (TreeGRPO / BranchGRPO): every row's step j trains with
+    the advantage of the node it enters (`flow_grpo.tree_advantage`, trainer/algorithms/tree.py),
+    clipped to +-adv_clip_max and weighted by 1 / (rows sharing that transition), so a shared
+    prefix counts once. node_of: (B, N+1) the node of row b after j steps (`tree_node_ids`)."""
+    if not batch.window_groups:
+        raise InvalidRequestError("tree advantages train stored trajectories", field="trajectory")
+    num_steps = int(batch.window_groups[0][1].sigmas.shape[0]) - 1
+    if node_of.shape != (batch.rows, num_steps + 1):
+        raise InvalidRequestError("one node id per row and depth", field="node_of",
+                                  expected=(batch.rows, num_steps + 1),
+                                  actual=tuple(node_of.shape))
+    noise_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    values = tree_advantages(node_of, batch.rewards, cfg.flow_grpo.tree_advantage)  # (B, N+1)
+    weights = edge_weights(node_of)                                              # (B, N)
+    old_version = _old_version(batch, old_version)
+    reused = reusable_rows(cfg.flow_grpo.old_log_probs, batch.versions, old_version)
+    metrics = {"tree_nodes": float(torch.unique(node_of[:, 1:]).numel()),
+               "tree_edge_share": float(weights.sum() / weights.numel()),
+               "adv_abs_mean": float(values[:, 1:].abs().mean()),
+               "trained_rows": float(batch.rows), "window_groups": float(len(batch.window_groups)),
+               "old_logprob_reused_rows": float(reused.sum())}
+    return UpdatePlan(Algorithm.FLOW_GRPO, batch, values, batch.rows, noise_seed, metrics,
+                      old_version=old_version, edge_weights=weights)
+
+
+def tree_node_ids(trees: Sequence[RolloutTree | None], rows: Sequence[int],
+                  num_steps: int) -> torch.Tensor:
+    """(B, N+1) node ids of the batch's rows (requests in order, `rows[i]` output rows each):
+    depth 0 one node per request (its prompt group), depth j + 1 the engine's node that ran step
+    j (`RolloutTree.ancestor`; a request that did not fork: each row its own path)."""
+    out, offset = [], 0
+    for tree, count in zip(trees, rows):
+        for r in range(count):
+            ids = [offset]
+            for j in range(num_steps):
+                node = r if tree is None else tree.ancestor(r, j)
+                ids.append(offset + 1 + node)
+            out.append(ids)
+        size = count if tree is None else len(tree.seeds)
+        offset += 1 + size
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def _old_version(batch: Batch, old_version: str | None) -> str:
     if old_version is not None:
         return old_version
@@ -174,6 +223,7 @@ def shard_plan(plan: UpdatePlan, rank: int, world: int, micro_batch_size: int | 
     index = parts[rank]
     batch = plan.batch.select(index) if index.numel() else None
     values = None if plan.values is None or batch is None else plan.values[index]
+    weights = None if plan.edge_weights is None or batch is None else plan.edge_weights[index]
     pad_units, pad = 0, None
     if balance:
         counts = [0 if p.numel() == 0 else
@@ -182,7 +232,8 @@ def shard_plan(plan: UpdatePlan, rank: int, world: int, micro_batch_size: int | 
         pad_units = max(counts) - counts[rank]
         if pad_units and batch is None:      # no rows of its own: the first group's, weight 0
             pad = plan.batch.select(parts[counts.index(max(counts))])
-    return dataclasses.replace(plan, batch=batch, values=values, pad_units=pad_units, pad=pad)
+    return dataclasses.replace(plan, batch=batch, values=values, pad_units=pad_units, pad=pad,
+                               edge_weights=weights)
 
 
 def run_update(learner: Learner, plan: UpdatePlan, cfg: TrainerConfig) -> dict[str, float]:
@@ -310,7 +361,11 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
                                log_probs=_on(traj.log_probs[part], dev),
                                seeds=tuple(traj.seeds[i] for i in part.tolist()))
     steps = trainable_step_indices(traj.sigmas, traj.window, c.max_train_steps)
-    cond, a, start = batch.cond.index_select(rows), _on(adv[rows], dev), traj.window[0]
+    cond, a_rows, start = batch.cond.index_select(rows), _on(adv[rows], dev), traj.window[0]
+    if plan.edge_weights is not None and plan.edge_weights.shape[0] != adv.shape[0]:
+        raise InvalidRequestError("edge weights are one row per advantage row",
+                                  field="edge_weights", expected=adv.shape[0],
+                                  actual=plan.edge_weights.shape[0])
     uncond = None if batch.uncond is None else batch.uncond.index_select(rows)
     inputs = {k: v[rows] for k, v in batch.inputs.items()}
     versions = [batch.versions[i] for i in rows.tolist()]
@@ -318,6 +373,9 @@ def _grpo_run(learner: Learner, batch: Batch, adv: torch.Tensor, unit: tuple[int
     guard = c.ratio is PolicyRatio.GRPO_GUARD   # needs the old policy's mean: one more forward
     sums["trained_window_steps"] = sums.get("trained_window_steps", 0.0) + weight * len(steps)
     for j in steps:
+        a = a_rows if a_rows.ndim == 1 else \
+            _on(plan.edge_weights[rows, j], dev) * a_rows[:, j + 1].clamp(-c.adv_clip_max,
+                                                                         c.adv_clip_max)
         sigma = _on(traj.sigmas[j].expand(rows.shape[0]), dev)
         x_j = traj.latents[:, j - start]
         old, old_mean = traj.log_probs[:, j - start], None
