@@ -7,15 +7,19 @@ both images, labelled by their index in the group, and the prompt; the judge ans
 of the better one (constrained to the pair's two labels with `choices`, vLLM's
 `structured_outputs` / `guided_choice`). Then, as the paper defines it,
     win_rate_i = (1 / (n - 1)) * sum_{j != i} [i preferred over j]        in [0, 1].
-An answer naming neither sample of its pair (a judge answering for another pair) raises
-RemoteScorerError naming the pair and the answer; an answer with no index fails the pair's two
-samples (FAILED -> a required scorer's ScorerFailedError, an optional one's MISSING).
+This is Pref-GRPO's `_pairwise_win_rate` (CodeGoat24/Pref-GRPO,
+fastvideo/rewards/unifiedreward_think.py): every pair once, wins over comparisons. An answer
+naming neither sample of its pair (a judge answering for another pair) raises RemoteScorerError
+naming the pair and the answer. An answer with no index is `undecided`: FAIL (default) fails the
+pair's two samples (FAILED -> a required scorer's ScorerFailedError, an optional one's MISSING);
+TIE counts half a win to each, as Pref-GRPO does.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import re
+from enum import Enum
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +33,13 @@ from rewards.http_client import JsonClient, RetryPolicy
 from rewards.media import require_decoded
 from rewards.remote_protocol import png_base64
 from rewards.vlm_judge import ChoiceField
+
+
+class Undecided(str, Enum):
+    """What an answer naming no sample of its pair counts as."""
+
+    FAIL = "fail"     # the pair's two samples fail (never a made-up outcome)
+    TIE = "tie"       # half a win each (Pref-GRPO's rule)
 
 DEFAULT_PAIR_TEMPLATE = (
     "Two AI-generated images for the prompt: \"{prompt}\". The first is image {first}, the "
@@ -49,6 +60,7 @@ class VLMPairwiseScorerConfig(BaseModel):
                           "{second} (the two samples' indices in the group)")
     constrain: bool = Field(True, description="constrain the answer to the pair's two indices")
     choice_field: ChoiceField = ChoiceField.STRUCTURED_OUTPUTS
+    undecided: Undecided = Undecided.FAIL
     max_pairs: int = Field(256, ge=1, description="judge calls per group at most: n(n-1)/2")
     max_tokens: int = Field(8, ge=1, le=4096)
     retry: RetryPolicy = Field(default_factory=lambda: RetryPolicy(timeout_s=120.0))
@@ -61,17 +73,21 @@ class VLMPairwiseScorerConfig(BaseModel):
         return self
 
 
-def win_rates(n: int, winners: dict[tuple[int, int], int | None]) -> list[float | None]:
-    """Each sample's share of its n - 1 comparisons won; None for a sample with an undecided
-    comparison (its pair's answer had no index)."""
-    wins = [0] * n
-    undecided: set[int] = set()
+def win_rates(n: int, winners: dict[tuple[int, int], int | None],
+              undecided: Undecided = Undecided.FAIL) -> list[float | None]:
+    """Each sample's share of its n - 1 comparisons won. An undecided comparison (None): under
+    FAIL its two samples get None, under TIE half a win each."""
+    wins = [0.0] * n
+    failed: set[int] = set()
     for (i, j), w in winners.items():
-        if w is None:
-            undecided.update((i, j))
-        else:
+        if w is not None:
             wins[w] += 1
-    return [None if k in undecided else wins[k] / (n - 1) for k in range(n)]
+        elif undecided is Undecided.TIE:
+            wins[i] += 0.5
+            wins[j] += 0.5
+        else:
+            failed.update((i, j))
+    return [None if k in failed else wins[k] / (n - 1) for k in range(n)]
 
 
 class VLMPairwiseScorer:
@@ -159,7 +175,8 @@ class VLMPairwiseScorer:
         rates: list[float | None] = []
         reasons: list[str | None] = []
         for g, sl in enumerate(slices):
-            for k, rate in enumerate(win_rates(sl.stop - sl.start, winners[g])):
+            for k, rate in enumerate(win_rates(sl.stop - sl.start, winners[g],
+                                               cfg.undecided)):
                 rates.append(rate)
                 reasons.append(None if rate is not None else
                                f"a judge answer for a pair of sample {k} named no index")

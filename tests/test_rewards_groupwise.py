@@ -8,8 +8,10 @@ References:
 - Flow-Factory (X-GenGroup/Flow-Factory, src/flow_factory/rewards/pick_score.py, commit
   73ddbdc1a10441fbbafd73c4accc7924d9507266, PickScoreRankRewardModel.__call__):
       ranks = raw_scores.argsort().argsort(); rewards = ranks.float() / group_size
-- Pref-GRPO (arXiv 2508.20751, Sec. 3): a sample's reward is its win rate over the other n - 1
-  samples of its group; derived here from the judge's recorded answers.
+- Pref-GRPO (CodeGoat24/Pref-GRPO, fastvideo/rewards/unifiedreward_think.py, commit
+  3e787f6dd5a3051b40d61f07e9578468ac26130a, `_pairwise_win_rate`): wins over comparisons, every
+  pair once, no conclusion = half a win each (our `undecided: tie`); and from the tiny judge's
+  recorded answers end to end.
 """
 from __future__ import annotations
 
@@ -111,7 +113,47 @@ def test_scorer_stage_batch_keeps_each_request_its_own_group(rank_scorer, clip_d
         assert out.scores["rank"] == rank_scorer.score(req).scores["rank"]
 
 
-# ---- pairwise: a real tiny VLM behind an OpenAI-compatible server ------------------------------
+# ---- pairwise: Pref-GRPO's win rate, then a real tiny VLM behind an OpenAI-compatible server ----
+def ref_pairwise_win_rate(num_items, responses):
+    """Excerpt of Pref-GRPO's `_pairwise_win_rate` (CodeGoat24/Pref-GRPO,
+    fastvideo/rewards/unifiedreward_think.py, commit 3e787f6dd5a3051b40d61f07e9578468ac26130a),
+    the answer parsed beforehand: 1, 2 or None (no conclusion)."""
+    from collections import defaultdict
+    win_count, compare_count = defaultdict(int), defaultdict(int)
+    for result in responses:
+        idx1, idx2 = result["first_index"], result["second_index"]
+        compare_count[idx1] += 1
+        compare_count[idx2] += 1
+        if result["better"] == 1:
+            win_count[idx1] += 1
+        elif result["better"] == 2:
+            win_count[idx2] += 1
+        else:
+            win_count[idx1] += 0.5
+            win_count[idx2] += 0.5
+    return [round(win_count[idx] / compare_count[idx], 3) if compare_count[idx] > 0 else 0.0
+            for idx in range(num_items)]
+
+
+def test_win_rates_equal_pref_grpos_on_random_outcomes():
+    from rewards.pairwise import Undecided
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 5, 8):
+        pairs = list(itertools.combinations(range(n), 2))
+        better = torch.randint(0, 3, (len(pairs),), generator=g).tolist()   # 0: undecided
+        responses = [{"first_index": i, "second_index": j, "better": b or None}
+                     for (i, j), b in zip(pairs, better)]
+        winners = {(i, j): (None if b == 0 else (i if b == 1 else j))
+                   for (i, j), b in zip(pairs, better)}
+        ours = win_rates(n, winners, Undecided.TIE)
+        assert ours == pytest.approx(ref_pairwise_win_rate(n, responses), abs=5e-4)  # it rounds
+        failed = win_rates(n, winners)            # the default: an undecided pair fails both
+        for (i, j), b in zip(pairs, better):
+            if b == 0:
+                assert failed[i] is None and failed[j] is None
+
+
+
 @pytest.fixture(scope="module")
 def judge_server():
     from testing.http_servers import serve
