@@ -7,9 +7,17 @@ All requests arrive together (N requests, one row each, same steps and sampler):
   engine_sequential   the same engine, one request at a time
   static_batch        flow_grpo-style: all N rows stacked into one call of a plain denoising loop
   one_at_a_time_loop  the same plain loop, one request per call
-Staggered arrivals (Poisson, fixed seed, the same offered load for every policy; bench/arrivals.py):
+Staggered arrivals (Poisson, fixed seed, the same offered load for every policy; bench/arrivals.py)
+at 0.6 and 0.9 of the static batch's all-together capacity:
   stepwise / static_batch / one_at_a_time: samples/s and latency p50 / p95 -- the case continuous
   batching exists for (a request joins at the next step instead of waiting for a batch to end).
+Mixed workload (all arrive together): 10 / 20 / 28-step requests, two LoRA versions, CFG and
+  no-CFG. stepwise: the engine; static_batch: each compatible group (same steps, version,
+  guidance) one plain-loop call, groups in arrival order -- a static loop cannot mix schedules.
+  samples/s and latency p50 / p95 from the burst's start.
+Branched vs independent (all arrive together): per prompt 8 samples of a 20-step SDE, either 8
+  independent rows or 1 row forked at step 10 into 8 children (a shared half-trajectory prefix,
+  EngineRequest.forks); row-forwards per sample and samples/s.
 
 Ratios: batching_speedup = engine_concurrent / engine_sequential; vs_static_batch =
 engine_concurrent / static_batch (the honest peer: ~1x when all arrive together);
@@ -34,14 +42,15 @@ from pathlib import Path
 import torch
 
 from adapters.registry import get_family
-from bench.arrivals import poisson_arrivals, serve_batched, serve_stepwise
+from bench.arrivals import percentile, poisson_arrivals, serve_batched, serve_stepwise
+from bench.plain_loop import plain_loop
 from contract import Condition, RolloutRequest, SamplerKind, SamplingSpec, Task
 from diffusion.noise import initial_noise, row_noise
 from diffusion.step import Guidance, denoise_step
 from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import EngineRequest
+from rollout.engine_api import EngineRequest, Fork
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["a red circle", "a blue square at the top", "a green triangle", "a yellow star",
@@ -142,26 +151,40 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     modes = list(result["samples_per_s"])
     colors = [f"C{i}" for i in range(len(modes))]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    ax1, ax2, ax3, ax4 = axes
     ax1.bar(modes, [result["samples_per_s"][m] for m in modes], color=colors)
     ax1.set_ylabel("samples / s")
     ax1.set_title(f"all {result['requests']} arrive together, {result['steps']} steps: "
                   f"vs static x{result['vs_static_batch']:.2f}", fontsize=9)
     ax1.tick_params(axis="x", labelrotation=20)
-    staggered = result["staggered"]
-    policies = list(staggered["policies"])
-    ax2.bar(policies, [staggered["policies"][p]["samples_per_s"] for p in policies],
-            color=["C0", "C2", "C3"])
-    ax2.set_ylabel("samples / s")
-    ax2.set_title(f"Poisson arrivals, {staggered['rate_per_s']:.1f} req/s offered", fontsize=9)
-    for i, q in enumerate(("latency_p50_s", "latency_p95_s")):
-        ax3.bar([j + 0.4 * i for j in range(len(policies))],
-                [staggered["policies"][p][q] for p in policies], width=0.4,
-                label=q.replace("latency_", "").replace("_s", ""))
-    ax3.set_xticks([j + 0.2 for j in range(len(policies))], policies)
-    ax3.set_ylabel("latency (s)")
-    ax3.legend(fontsize=8)
-    ax3.set_title("latency under staggered arrivals", fontsize=9)
+    loads = list(result["staggered"])
+    policies = list(result["staggered"][loads[0]]["policies"])
+    width = 0.8 / len(policies)
+    for k, policy in enumerate(policies):
+        for q, hatch in (("latency_p95_s", ""), ("latency_p50_s", "//")):
+            ax2.bar([i + k * width for i in range(len(loads))],
+                    [result["staggered"][load]["policies"][policy][q] for load in loads],
+                    width=width, color=f"C{k}", hatch=hatch, alpha=1.0 if not hatch else 0.5,
+                    label=f"{policy} {q.split('_')[1]}")
+    ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))],
+                   [f"load {load} of static capacity" for load in loads])
+    ax2.set_ylabel("latency (s)")
+    ax2.legend(fontsize=7)
+    ax2.set_title("Poisson arrivals: p95 (solid) / p50 (hatched)", fontsize=9)
+    mixed = result["mixed"]["policies"]
+    ax3.bar(list(mixed), [mixed[p]["samples_per_s"] for p in mixed], color=["C0", "C2"])
+    ax3.set_ylabel("samples / s")
+    ax3.set_title(f"mixed 10/20/28 steps, 2 LoRA, CFG/no-CFG: x"
+                  f"{result['mixed']['throughput_vs_static']:.2f} throughput, p95 x"
+                  f"{result['mixed']['p95_vs_static']:.2f}", fontsize=9)
+    branch = result["branched"]
+    names = list(branch["samples_per_s"])
+    ax4.bar(names, [branch["samples_per_s"][n] for n in names], color=["C1", "C4"])
+    ax4.set_ylabel("samples / s")
+    ax4.set_title(f"8 samples / prompt, fork at step {branch['fork']['step']}: x"
+                  f"{branch['speedup']:.2f} (row-forwards x{branch['row_forward_ratio']:.2f})",
+                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -176,6 +199,97 @@ def staggered(engine, adapter, components, requests, rate_per_s: float, seed: in
                 "stepwise": serve_stepwise(engine, requests, arrivals),
                 "static_batch": serve_batched(plain, requests, arrivals, len(requests)),
                 "one_at_a_time": serve_batched(plain, requests, arrivals, 1)}}
+
+
+def _lora(components, seed: int) -> dict[str, torch.Tensor]:
+    """A seeded rank-4 LoRA on the attention queries and the first MLP projections."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in components["transformer"].named_modules():
+        if name.endswith("attn.to_q") or name.endswith("ff.net.0.proj"):
+            tensors[f"{name}.lora_A.weight"] = torch.randn(4, module.in_features,
+                                                           generator=gen) * 0.1
+            tensors[f"{name}.lora_B.weight"] = torch.randn(module.out_features, 4,
+                                                           generator=gen) * 0.1
+    return tensors
+
+
+def mixed_requests(adapter, encoders, n: int) -> list[EngineRequest]:
+    """n requests cycling 10 / 20 / 28 steps, base / v1, CFG 3.0 / none (12 kinds)."""
+    prompts = adapter.conditioner.tokenize([PROMPTS[i % len(PROMPTS)] for i in range(n)])
+    null = adapter.conditioner.encode(encoders, [adapter.conditioner.null_prompt()])
+    out = []
+    for i, prompt in enumerate(prompts):
+        steps, version = (10, 20, 28)[i % 3], ("base", "v1")[(i // 3) % 2]
+        guidance = (1.0, 3.0)[(i // 6) % 2]
+        sampling = SamplingSpec(sampler=SamplerKind.SDE, num_steps=steps, seeds=(2000 + i,),
+                                guidance_scale=guidance)
+        rr = RolloutRequest(prompt=prompt, sampling=sampling, task=Task.T2I,
+                            policy_version=version, request_id=f"mixed-{i}")
+        out.append(EngineRequest(rr, adapter.conditioner.encode(encoders, [prompt]),
+                                 null if guidance != 1.0 else None, ("image_latent",), {},
+                                 version))
+    return out
+
+
+def _burst(run) -> dict:
+    """Run `run(done)` where done(i) marks request i finished; latencies from the start."""
+    finished: dict[int, float] = {}
+    start = time.perf_counter()
+    run(lambda i: finished.__setitem__(i, time.perf_counter() - start))
+    return {"span_s": max(finished.values()), "latencies": list(finished.values())}
+
+
+def serve_mixed(engine, adapter, components, requests, policy: str) -> dict:
+    if policy == "stepwise":
+        def run(done):
+            futures = [engine.submit(r) for r in requests]
+            for i, f in enumerate(futures):
+                f.add_done_callback(lambda _, i=i: done(i))
+            for f in futures:
+                f.result()
+    else:                                        # static batches of compatible requests
+        def run(done):
+            groups: dict[tuple, list[int]] = {}
+            for i, r in enumerate(requests):
+                sp = r.request.sampling
+                groups.setdefault((sp.num_steps, r.policy_version, sp.guidance_scale),
+                                  []).append(i)
+            for (_, version, _), members in groups.items():
+                with engine.slots.active(version):
+                    plain_loop(adapter, components, [requests[i] for i in members])
+                for i in members:
+                    done(i)
+    out = _burst(run)
+    return {"samples_per_s": len(requests) / out["span_s"], "makespan_s": out["span_s"],
+            "latency_p50_s": percentile(out["latencies"], 50),
+            "latency_p95_s": percentile(out["latencies"], 95)}
+
+
+def branched_requests(adapter, encoders, prompts: int, children: int, steps: int,
+                      fork_step: int, branched: bool) -> list[EngineRequest]:
+    texts = adapter.conditioner.tokenize([PROMPTS[i % len(PROMPTS)] for i in range(prompts)])
+    out = []
+    for i, prompt in enumerate(texts):
+        seeds = (3000 + i,) if branched else tuple(3000 + i * children + k
+                                                   for k in range(children))
+        sampling = SamplingSpec(sampler=SamplerKind.SDE, num_steps=steps, seeds=seeds)
+        rr = RolloutRequest(prompt=prompt, sampling=sampling, task=Task.T2I,
+                            request_id=f"{'tree' if branched else 'flat'}-{i}")
+        out.append(EngineRequest(rr, adapter.conditioner.encode(encoders, [prompt]), None,
+                                 ("image_latent",), {}, "base",
+                                 (Fork(fork_step, children),) if branched else ()))
+    return out
+
+
+def median_of(fn, repeats: int) -> float:
+    fn()                                          # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 MODES = ("engine_concurrent", "engine_sequential", "static_batch", "one_at_a_time_loop")
@@ -207,17 +321,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for every mode (default: all cores)")
-    parser.add_argument("--arrival-load", type=float, default=0.6,
-                        help="offered load of the staggered run, as a fraction of the "
-                             "engine's all-together capacity")
+    parser.add_argument("--arrival-loads", type=float, nargs="+", default=[0.6, 0.9],
+                        help="offered loads of the staggered runs, as fractions of the static "
+                             "batch's all-together capacity")
     parser.add_argument("--arrival-requests", type=int, default=32)
+    parser.add_argument("--mixed-requests", type=int, default=24)
+    parser.add_argument("--branch-prompts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     adapter = get_family("tiny_t2i")
     components, weights = adapter.load_transformers(), "shipped"
-    requests = _requests(adapter, adapter.load_encoders(), args.requests, args.steps)
+    encoders = adapter.load_encoders()
+    requests = _requests(adapter, encoders, args.requests, args.steps)
     engine = EmbeddedEngine(adapter, components, {}, EngineLimits(max_batch_rows=args.requests))
     if args.memory_mode is not None:               # child process of memory_in_fresh_process
         with PeakRSS() as mem:
@@ -226,22 +344,58 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(engine.shutdown())
         print(mem.mib)
         return {}
+    load_start = os.getloadavg()[0]
+    wide = EmbeddedEngine(adapter, components, {}, EngineLimits(max_batch_rows=32))
     try:
         timings = measure_interleaved({mode: _mode_runner(mode, engine, adapter, components,
                                                           requests) for mode in MODES},
                                       args.repeats)
-        rate = args.arrival_load * args.requests / timings["engine_concurrent"]
-        arriving = _requests(adapter, adapter.load_encoders(), args.arrival_requests, args.steps)
-        stagger = staggered(engine, adapter, components, arriving, rate, args.seed)
+        capacity = args.requests / timings["static_batch"]
+        arriving = _requests(adapter, encoders, args.arrival_requests, args.steps)
+        stagger = {f"{load:g}": staggered(engine, adapter, components, arriving,
+                                          load * capacity, args.seed)
+                   for load in args.arrival_loads}
+        wide.load_lora("v1", _lora(components, 7))
+        mixed = mixed_requests(adapter, encoders, args.mixed_requests)
+        for policy in ("stepwise", "static_batch"):           # warm-up
+            serve_mixed(wide, adapter, components, mixed, policy)
+        mixed_runs = {p: [] for p in ("stepwise", "static_batch")}
+        for _ in range(max(args.repeats - 1, 1)):
+            for policy in mixed_runs:
+                mixed_runs[policy].append(serve_mixed(wide, adapter, components, mixed, policy))
+        mixed_result = {p: sorted(runs, key=lambda r: r["makespan_s"])[len(runs) // 2]
+                        for p, runs in mixed_runs.items()}          # the median run
+        children, steps, fork_step = 8, 20, 10
+        tree = branched_requests(adapter, encoders, args.branch_prompts, children, steps,
+                                 fork_step, True)
+        flat = branched_requests(adapter, encoders, args.branch_prompts, children, steps,
+                                 fork_step, False)
+        branch_s = {name: median_of(lambda r=reqs: run_concurrent(wide, r), args.repeats)
+                    for name, reqs in (("independent", flat), ("branched", tree))}
     finally:
         import asyncio
         asyncio.run(engine.shutdown())
+        asyncio.run(wide.shutdown())
+    samples = args.branch_prompts * children
+    row_forwards = {"independent": steps * children,
+                    "branched": fork_step + (steps - fork_step) * children}
+    branch = {"prompts": args.branch_prompts, "samples_per_prompt": children, "steps": steps,
+              "fork": {"step": fork_step, "children": children},
+              "row_forwards_per_sample": {k: v / children for k, v in row_forwards.items()},
+              "forward_calls": {"independent": steps, "branched": steps},
+              "seconds": branch_s,
+              "samples_per_s": {k: samples / v for k, v in branch_s.items()}}
+    branch["speedup"] = branch["samples_per_s"]["branched"] / \
+        branch["samples_per_s"]["independent"]
+    branch["row_forward_ratio"] = row_forwards["independent"] / row_forwards["branched"]
     sps = {mode: args.requests / seconds for mode, seconds in timings.items()}
     result = {
         "bench": "rollout", "adapter": adapter.name, "weights": weights,
         "requests": args.requests, "rows_per_request": 1, "steps": args.steps,
         "sampler": SamplerKind.SDE.value, "torch_threads": args.threads,
         "repeats": args.repeats, "device": "cpu", "cpu_count": os.cpu_count(),
+        "machine_note": args.note,
+        "load_avg_1m_at_start": load_start,
         "load_avg_1m_at_end": os.getloadavg()[0],
         "seconds": timings,
         "samples_per_s": sps,
@@ -251,18 +405,43 @@ def main(argv: list[str] | None = None) -> dict:
         "batching_speedup": sps["engine_concurrent"] / sps["engine_sequential"],
         "vs_static_batch": sps["engine_concurrent"] / sps["static_batch"],
         "vs_one_at_a_time_loop": sps["engine_concurrent"] / sps["one_at_a_time_loop"],
+        "static_capacity_samples_per_s": capacity,
         "staggered": stagger,
-        "staggered_note": f"Poisson arrivals at {args.arrival_load:g} x the engine's "
-                          "all-together capacity, the same times and requests for each policy",
-        "goals": {"batching_speedup": 3.0, "vs_one_at_a_time_loop": 1.5},
+        "staggered_note": "Poisson arrivals at each load x the static batch's all-together "
+                          "capacity, the same times and requests for each policy",
+        "mixed": {"requests": args.mixed_requests, "steps": [10, 20, 28],
+                  "versions": ["base", "v1"], "guidance": [1.0, 3.0],
+                  "policies": mixed_result,
+                  "throughput_vs_static": mixed_result["stepwise"]["samples_per_s"] /
+                  mixed_result["static_batch"]["samples_per_s"],
+                  "p95_vs_static": mixed_result["stepwise"]["latency_p95_s"] /
+                  mixed_result["static_batch"]["latency_p95_s"]},
+        "branched": branch,
     }
-    result["goals_met"] = {k: result[k] >= v for k, v in result["goals"].items()}
+    for load, runs in stagger.items():
+        pol = runs["policies"]
+        runs["p95_vs_static"] = pol["stepwise"]["latency_p95_s"] / \
+            pol["static_batch"]["latency_p95_s"]
+        runs["throughput_vs_static"] = pol["stepwise"]["samples_per_s"] / \
+            pol["static_batch"]["samples_per_s"]
+    result["goals"] = {"vs_static_batch": ">= 1.0", "staggered_p95_vs_static": "<= 0.6",
+                       "mixed_throughput_vs_static": ">= 1.3", "branched_speedup": ">= 1.6",
+                       "batching_speedup": ">= 3.0", "vs_one_at_a_time_loop": ">= 1.5"}
+    result["goals_met"] = {
+        "vs_static_batch": result["vs_static_batch"] >= 1.0,
+        "staggered_p95_vs_static": all(r["p95_vs_static"] <= 0.6 for r in stagger.values()),
+        "mixed_throughput_vs_static": result["mixed"]["throughput_vs_static"] >= 1.3,
+        "branched_speedup": branch["speedup"] >= 1.6,
+        "batching_speedup": result["batching_speedup"] >= 3.0,
+        "vs_one_at_a_time_loop": result["vs_one_at_a_time_loop"] >= 1.5}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rollout.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "rollout.png")
-    print(json.dumps({k: result[k] for k in ("weights", "samples_per_s", "batching_speedup",
-                                             "vs_static_batch", "vs_one_at_a_time_loop",
-                                             "staggered", "peak_rss_mib")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("samples_per_s", "vs_static_batch",
+                                             "static_capacity_samples_per_s", "mixed",
+                                             "branched", "goals_met")}, indent=2))
+    for load, runs in stagger.items():
+        print(load, runs["p95_vs_static"], runs["throughput_vs_static"])
     return result
 
 

@@ -14,8 +14,12 @@ Loop (vLLM v1 shape): admit -> schedule -> execute -> update.
             forks re-lay a request's rows, finished / failed / cancelled requests retire and
             resolve their futures
 What cannot share a forward: rows with and without CFG (predict_velocity doubles every row or
-none), different LoRA / full-weight versions (one adapter state per forward), different state
-or condition shapes. Step counts, windows, samplers, noise levels and guidance scales share.
+none; doubling the no-CFG rows to join would cost their compute twice), different policy
+versions (a LoRA version is applied by forward hooks for the whole forward and a full-weight
+version by swapping parameters; per-row LoRA would need each hooked activation's rows, which a
+family that routes rows between experts by sigma, Wan 2.2, does not keep), different state or
+condition shapes. Step counts, windows, samplers, noise levels and guidance scales share; rows
+whose step is the same one-step kind at the same noise level also share one sampler transition.
 One request never fails another: a request whose rows make the shared forward raise (found by
 running each request of the failed forward alone) or whose velocity, sample or log-prob is not
 finite (SampleRecorder.propose) fails alone, typed with its request id, and the forward is

@@ -150,6 +150,24 @@ def test_outputs_within_1e5_across_arrival_orders_and_batch_compositions(t2i):
     assert worst <= 1e-5, worst
 
 
+def test_different_steps_windows_samplers_and_guidance_scales_share_one_forward(t2i):
+    """Mixed work: CFG rows at different guidance scales, step counts, SDE windows and
+    sampler kinds run in one forward while all are in flight (the longest alone at its end)."""
+    specs = [dict(i=0, seeds=(1,), steps=4, guidance=2.0),
+             dict(i=1, seeds=(2, 3), steps=7, window=(2, 5), guidance=4.5),
+             dict(i=2, seeds=(4,), steps=5, sampler=SamplerKind.CPS, guidance=3.0),
+             dict(i=3, seeds=(5,), steps=6, sampler=SamplerKind.DPM2, guidance=2.5)]
+    engine = _engine(t2i)
+    try:
+        results = _together(engine, [_req(t2i, **s) for s in specs])
+    finally:
+        _shutdown(engine)
+    for spec, res in zip(specs, results):
+        assert res.metrics["forwards"] == spec["steps"]
+        assert res.metrics["batch_rows_max"] == 5                    # every row of the four
+    assert results[1].metrics["batch_rows_min"] == 2                 # alone after the others
+
+
 def test_a_slow_admission_never_stalls_the_running_requests(t2i):
     """Preparing a request (media encode, sigma table, noise) runs in the admission thread
     outside the engine lock: while one is stuck in it, submit returns and a running request
