@@ -36,10 +36,10 @@ from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, Flo
                                       ImageVAE, TokenizingConditioner, clip_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, MediaCondition,
-                             OneLatentCodec, Overflow, image_io_spec)
+                             OneLatentCodec, Overflow, image_io_spec, request_errors)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
-                      PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
-                      TimeConvention)
+                      LimitExceededError, MediaFormatError, MediaRole, PromptBundle, RequestLimits, RolloutRequest,
+                      SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import GuidanceRule
 
 FLUX_LORA_TARGETS = (
@@ -73,18 +73,35 @@ class FluxDenoiser:
     def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
         embeds = cond["prompt_embeds"]
         text_ids = torch.zeros(embeds.shape[1], 3, device=embeds.device, dtype=embeds.dtype)
-        return models["transformer"](
-            hidden_states=state, timestep=model_time.to(state.dtype) / 1000,
+        source = media.get(SOURCE_LATENTS)        # edit: the source image's tokens follow
+        hidden = state if source is None else torch.cat([state, source.to(state.dtype)], dim=1)
+        out = models["transformer"](
+            hidden_states=hidden, timestep=model_time.to(state.dtype) / 1000,
             guidance=guidance, pooled_projections=cond["pooled"], encoder_hidden_states=embeds,
             txt_ids=text_ids, img_ids=media["img_ids"][0], return_dict=False)[0]
+        return out[:, :state.shape[1]]             # pipeline_flux_kontext.py:1052
 
 
-def latent_image_ids(rows: int, cols: int) -> torch.Tensor:
-    """(rows * cols, 3): [0, row, col] per packed token (the pipeline's image position ids)."""
+SOURCE_LATENTS = "source_latents"   # media input of an edit row: the packed source image
+
+
+def latent_image_ids(rows: int, cols: int, index: float = 0.0) -> torch.Tensor:
+    """(rows * cols, 3): [index, row, col] per packed token (the pipeline's image position ids;
+    Kontext's source image tokens carry index 1, pipeline_flux_kontext.py:663)."""
     ids = torch.zeros(rows, cols, 3)
+    ids[..., 0] = index
     ids[..., 1] = ids[..., 1] + torch.arange(rows)[:, None]
     ids[..., 2] = ids[..., 2] + torch.arange(cols)[None, :]
     return ids.reshape(rows * cols, 3)
+
+
+def check_source_image(image: torch.Tensor, limits: RequestLimits) -> None:
+    """An edit's source image is within the request's size bounds (never resized to fit)."""
+    for axis, name, bound in ((1, "height", limits.max_height), (2, "width", limits.max_width)):
+        if image.ndim == 3 and image.shape[axis] > bound:
+            raise LimitExceededError(f"the source image's {name} exceeds the request bound",
+                                     field="media.image", expected=f"{name} <= {bound}",
+                                     actual=tuple(image.shape))
 
 
 class FluxCodec(OneLatentCodec):
@@ -112,14 +129,36 @@ class FluxCodec(OneLatentCodec):
         x = tokens.view(b, rows, cols, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, channels // 4, 2 * rows, 2 * cols)
 
+    def source_grid(self, image: torch.Tensor) -> tuple[int, int]:
+        """The packed grid of an edit's source image: uint8 (3, H, W), H and W multiples of
+        VAE x 2 (the pipeline would round them down and resize; nothing is resized here)."""
+        multiple = 2 * self.vae.scale_factor
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3 or \
+                image.shape[1] % multiple or image.shape[2] % multiple:
+            raise MediaFormatError(f"an edit's source image is uint8 (3, H, W) with H and W "
+                                   f"multiples of {multiple} (nothing is resized)",
+                                   field="media.image", expected=f"uint8 (3, {multiple} k, "
+                                   f"{multiple} m)", actual=f"{image.dtype} {tuple(image.shape)}")
+        return image.shape[1] // multiple, image.shape[2] // multiple
+
     def encode_media(self, modules, sampling, media) -> MediaCondition:
-        if media:
-            raise InvalidRequestError("FLUX.1 text-to-image takes no condition media",
-                                      field="media", expected=[],
-                                      actual=sorted(r.value for r in media))
+        extra = sorted(r.value for r in media if r is not MediaRole.IMAGE)
+        if extra:
+            raise InvalidRequestError("FLUX.1 takes a source image (edit) or no media",
+                                      field="media", expected=[MediaRole.IMAGE.value],
+                                      actual=extra)
         rows, cols = self.grid(sampling)
-        return MediaCondition(inputs={"img_ids": latent_image_ids(rows, cols)[None]},
-                              key=(rows, cols))
+        ids = latent_image_ids(rows, cols)
+        if MediaRole.IMAGE not in media:
+            return MediaCondition(inputs={"img_ids": ids[None]}, key=(rows, cols))
+        source = media[MediaRole.IMAGE]
+        src_rows, src_cols = self.source_grid(source)
+        latents = self.vae.encode(modules["vae"], source[None])       # (1, C, 2 r, 2 c)
+        packed = latents.view(1, -1, src_rows, 2, src_cols, 2).permute(0, 2, 4, 1, 3, 5) \
+            .reshape(1, src_rows * src_cols, self.in_channels)
+        ids = torch.cat([ids, latent_image_ids(src_rows, src_cols, 1.0)])
+        return MediaCondition(inputs={"img_ids": ids[None], SOURCE_LATENTS: packed},
+                              key=(rows, cols, src_rows, src_cols))
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
@@ -159,7 +198,8 @@ class FluxFamily(CheckpointFamily):
             GuidanceRule(GuidanceKind.NONE, source="pipeline_flux.py:850")
         side = 128 * vae.scale_factor       # FLUX.1's native 1024 px
         self.spec = FamilySpec(
-            name="flux", io_spec=image_io_spec(Layout.TOKENS), tasks={Task.T2I: ()},
+            name="flux", io_spec=image_io_spec(Layout.TOKENS),
+            tasks={Task.T2I: (), Task.EDIT: (MediaRole.IMAGE,)}, media_encoders=("vae",),
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
             guidance=guidance, transformers=("transformer",),
             lora_targets={"transformer": FLUX_LORA_TARGETS}, encoders=encoders,
@@ -184,4 +224,9 @@ class FluxFamily(CheckpointFamily):
                                       "prompt", field="prompt.negative", expected=None,
                                       actual="a negative prompt",
                                       request_id=request.request_id)
-        return super().validate_request(request, limits)
+        media = super().validate_request(request, limits)
+        if MediaRole.IMAGE in media:             # an edit's source image, before any work
+            with request_errors(request.request_id):
+                check_source_image(media[MediaRole.IMAGE], limits)
+                self.codec.source_grid(media[MediaRole.IMAGE])
+        return media

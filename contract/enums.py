@@ -88,6 +88,7 @@ class Task(str, Enum):
     T2V = "t2v"       # text -> video (no audio)
     I2V = "i2v"       # first frame + text -> video (no audio)
     I2VA = "i2va"     # first frame + text -> video + audio
+    EDIT = "edit"     # source image (media role `image`) + instruction -> image
     TEXT = "text"     # autoregressive text generation (AR strategy)
 
 

@@ -16,8 +16,8 @@ engine (the production path):
     pipeline's own `do_classifier_free_guidance` is the rule's decision, the latents are the
     pipeline's and the trajectory records the scale the rows ran at,
   - the declared pipeline classes (the family's entry in adapters/families.py) hold every
-    diffusers pipeline class that takes this checkpoint's components, and the components saved by each
-    load through `adapter: auto` and the explicit adapter, serving the same tasks.
+    diffusers pipeline class that takes this checkpoint's components, and the components saved
+    by each load through `adapter: auto` and the explicit adapter, serving the same tasks.
 
 `FamilyChecks` (its base; embedded families without a diffusers pipeline use it alone) adds, for
 every registered family:
@@ -53,7 +53,7 @@ from adapters.inference_form import modules_with_suffix
 from adapters.lora_files import load_diffusers_lora, save_diffusers_lora
 from adapters.registry import get_family
 from contract import (ConfigError, InvalidRequestError, RequestLimits, RewardReport, RolloutOutput,
-                      RolloutRequest, SamplerKind, SamplingSpec, StartupCheckError)
+                      RolloutRequest, SamplerKind, SamplingSpec, StartupCheckError, Task)
 from diffusion.noise import initial_noise
 from diffusion.step import applied_guidance_scale, doubles_rows, predict_velocity
 from rollout.engine import EmbeddedEngine
@@ -168,10 +168,15 @@ class FamilyChecks:
     negative: bool = False            # the family takes a negative prompt
     steps: int = 4
 
+    task: Task | None = None          # the task checked; None = the family's first
+
     def request_media(self) -> tuple | None:
         """Condition media (contract.MediaInput) of the parity request; the family's first task
-        is requested with them (None: a text-only task)."""
+        (or `task`) is requested with them (None: a text-only task)."""
         return None
+
+    def task_of(self, fam) -> Task:
+        return self.task or next(iter(fam.spec.tasks))
 
     # ---- fixtures -----------------------------------------------------------------------------
     @pytest.fixture(scope="class")
@@ -206,7 +211,7 @@ class FamilyChecks:
     def probe_request(self, fam, sampling: SamplingSpec) -> RolloutRequest:
         negatives = [NEGATIVE] if self.negative else None
         bundle = fam.conditioner.tokenize([PROMPTS[0]], negatives)[0]
-        return RolloutRequest(prompt=bundle, sampling=sampling, task=next(iter(fam.spec.tasks)),
+        return RolloutRequest(prompt=bundle, sampling=sampling, task=self.task_of(fam),
                               media=self.request_media())
 
     # ---- checks -------------------------------------------------------------------------------
@@ -364,7 +369,7 @@ class FamilyConformance(FamilyChecks):
         negatives = [NEGATIVE] if self.negative else None
         bundle = conditioner.tokenize([prompt], negatives)[0]
         request = RolloutRequest(prompt=bundle, sampling=sampling,
-                                 task=next(iter(fam.spec.tasks)), media=self.request_media())
+                                 task=self.task_of(fam), media=self.request_media())
         media = fam.validate_request(request, RequestLimits())
         cond = conditioner.encode(encoders, [bundle])
         negative = None
@@ -529,7 +534,7 @@ class FamilyConformance(FamilyChecks):
         negatives = [NEGATIVE] if self.negative else None
         bundle = fam.conditioner.tokenize([PROMPTS[0]], negatives)[0]
         request = RolloutRequest(prompt=bundle, sampling=sampling,
-                                 task=next(iter(fam.spec.tasks)), media=self.request_media())
+                                 task=self.task_of(fam), media=self.request_media())
         guided = doubles_rows(rule, scale)
         negative = fam.conditioner.encode(encoders, [fam.conditioner.unconditional(bundle)]) \
             if guided else None

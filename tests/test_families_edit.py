@@ -1,0 +1,112 @@
+"""The edit task (a source image + an instruction -> an image) on FLUX.1 Kontext: the tiny FLUX
+checkpoint saved as FluxKontextPipeline (the same components) against FluxKontextPipeline
+(tests/family_conformance.py, task edit), plus the edit's own bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from contract import (InvalidRequestError, LimitExceededError, MediaFormatError, MediaInput, MediaRole, Modality,
+                      RequestLimits, RolloutRequest, SamplingSpec, Task)
+from tests.family_conformance import PROMPTS, FamilyConformance
+
+torch.set_num_threads(1)
+SOURCE_SIZE = (48, 80)             # the source image's H, W: another size than the output's
+
+
+def source_image() -> torch.Tensor:
+    """A seeded uint8 (3, H, W) picture with structure (stripes + noise)."""
+    g = torch.Generator().manual_seed(3)
+    h, w = SOURCE_SIZE
+    stripes = (torch.arange(w)[None, :] // 8 % 2 * 160 + torch.arange(h)[:, None] * 2)
+    noise = torch.randint(0, 60, (3, h, w), generator=g)
+    return (stripes[None] + noise).clamp(0, 255).to(torch.uint8)
+
+
+class TestFluxKontext(FamilyConformance):
+    family, checkpoint = "flux", "flux"
+    task = Task.EDIT
+    options = {"max_sequence_length": 48}
+    size = {"height": 64, "width": 96}
+    other_sizes = ({"height": 128, "width": 128},)
+    bad_size = {"height": 64, "width": 88}
+    guidance_scale = 2.5
+    steps = 3
+    sigma_steps = (1, 3)
+
+    @pytest.fixture(scope="class")
+    def root(self, tiny_checkpoint, tmp_path_factory):
+        """The tiny FLUX components saved by FluxKontextPipeline (model_index names it)."""
+        folder = tmp_path_factory.mktemp("kontext") / "flux_kontext"
+        shutil.copytree(tiny_checkpoint("flux"), folder)
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps(
+            index | {"_class_name": "FluxKontextPipeline"}))
+        return folder
+
+    def request_media(self):
+        return (MediaInput(Modality.IMAGE, MediaRole.IMAGE, source_image()),)
+
+    def pipeline(self, root):
+        from diffusers import FluxKontextPipeline
+        return FluxKontextPipeline.from_pretrained(root, local_files_only=True)
+
+    def pipeline_call(self, pipe, x0, output_type):
+        from PIL import Image
+        image = Image.fromarray(source_image().permute(1, 2, 0).numpy())
+        return pipe(image=image, prompt=[PROMPTS[0]] * x0.shape[0], latents=x0,
+                    num_inference_steps=self.steps, guidance_scale=self.guidance_scale,
+                    output_type=output_type, max_sequence_length=48, _auto_resize=False,
+                    max_area=self.size["height"] * self.size["width"], **self.size)
+
+    def pipeline_sigmas(self, fam, scheduler, sampling):
+        n = sampling.num_steps
+        seq = fam.codec.state_shape(sampling)[0]
+        scheduler.set_timesteps(sigmas=list(np.linspace(1.0, 1 / n, n)), mu=fam.schedule.mu(seq))
+        return scheduler.sigmas.float()
+
+    def test_the_source_image_conditions_the_edit(self, fam, engine, encoders):
+        sampling = self.sampling(seeds=(5,))
+        edited = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling)
+        other = self.request_media
+
+        def flipped():
+            return (MediaInput(Modality.IMAGE, MediaRole.IMAGE, source_image().flip(-1)),)
+        self.request_media = flipped
+        try:
+            changed = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling)
+        finally:
+            self.request_media = other
+        diff = float((edited["image_latent"] - changed["image_latent"]).abs().max())
+        assert diff > 1e-3, diff
+
+    def test_edit_bad_input_is_typed_and_names_the_field(self, fam):
+        bundle = fam.conditioner.tokenize([PROMPTS[0]])[0]
+        sampling = SamplingSpec(seeds=(0,), num_steps=2, **self.size)
+        with pytest.raises(InvalidRequestError) as err:        # an edit without its image
+            fam.validate_request(RolloutRequest(prompt=bundle, sampling=sampling,
+                                                task=Task.EDIT), RequestLimits())
+        assert err.value.field == "media" and err.value.expected == ["image"]
+        odd = torch.zeros(3, 40, 88, dtype=torch.uint8)       # not multiples of 16
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+            MediaInput(Modality.IMAGE, MediaRole.IMAGE, odd),))
+        with pytest.raises(MediaFormatError) as err:          # refused before any work
+            fam.validate_request(request, RequestLimits())
+        assert err.value.field == "media.image" and "(3, 40, 88)" in err.value.actual
+        assert err.value.request_id == request.request_id
+        big = torch.zeros(3, 64, 2048, dtype=torch.uint8)
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+            MediaInput(Modality.IMAGE, MediaRole.IMAGE, big),))
+        with pytest.raises(LimitExceededError) as err:
+            fam.validate_request(request, RequestLimits())
+        assert err.value.field == "media.image" and err.value.actual == (3, 64, 2048)
+        gray = torch.zeros(1, 64, 96, dtype=torch.uint8)      # a mode the family does not take
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+            MediaInput(Modality.IMAGE, MediaRole.IMAGE, gray),))
+        with pytest.raises(InvalidRequestError) as err:
+            fam.validate_request(request, RequestLimits())
+        assert err.value.field.startswith("media")
