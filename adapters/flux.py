@@ -15,6 +15,13 @@ As FluxPipeline (diffusers 0.42.1, pipeline_flux.py):
                ignores the scale, the project refuses any but 1). True CFG
                (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`, pipeline_flux.py:771)
                needs a negative prompt, which the project refuses: it never runs.
+  edit         FLUX.1 Kontext (FluxKontextPipeline, pipeline_flux_kontext.py): the source image
+               (media role `image`, uint8, sides multiples of 16: the pipeline would round and
+               resize, :943-945; refused here) VAE-encoded (posterior mode, :599-611), packed
+               and appended after the noisy tokens (:1038) with position ids [1, row, col]
+               (:663); the output is cut back to the noisy tokens (:1052); mu from the noisy
+               tokens alone (:966). The transformer is FLUX.1-dev's class and config, so every
+               FLUX checkpoint serves both tasks (its weights decide how well).
 Checkpoints saved by any pipeline class over these components load (adapters/families.py); a
 transformer that takes condition channels (FLUX.1 Fill / Control) is refused.
   ids          txt_ids zeros (L, 3); img_ids [0, row, col] of the packed grid
