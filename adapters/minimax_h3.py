@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -65,6 +66,8 @@ VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2    # MINIMAX_H3_*_TAG
 LAYOUT = "minimax_h3_layout"        # media input (1, 5) int64 [F', h, w, L, steps]
 KEYFRAME_ROWS = "minimax_h3_keyframe_rows"     # media input (B, K, Cv) fp32, noised anchors
 KEYFRAME_ANCHORS = "minimax_h3_keyframe_anchors"   # media input (1, K') int64, 0 first / 1 last
+REFERENCE_GEOMETRY = "minimax_h3_reference_geometry"  # media input (1, n, 3) int64 [f', h, w]
+MAX_IMAGE_REFERENCES = 9                    # MiniMaxH3Ref2VASetupStep max_images
 
 # every attention projection and both SwiGLU linears of the joint blocks (no cross-attention)
 MINIMAX_H3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
@@ -90,6 +93,9 @@ class MiniMaxH3Options(BaseModel):
 
     max_sequence_length: int = Field(512, ge=1, le=8192, description="Qwen3-VL ids per prompt "
                                      "(the pipeline has no window: longer prompts are refused).")
+    reference_image_short_edge: int = Field(2048, ge=32, le=4096, description="The short edge "
+                                            "ref2va encodes an image reference at (the pipeline's "
+                                            "config; references of another size are refused).")
 
 
 def shifted(base: torch.Tensor | float, shift: float):
@@ -391,6 +397,52 @@ class MiniMaxH3Codec(Codec):
                               key=(*layout.encoded()[0].tolist(), *anchors[0].tolist()))
 
 
+    def encode_references(self, modules, sampling: SamplingSpec,
+                          references: Sequence[torch.Tensor], short_edge: int) -> MediaCondition:
+        """ref2va with ordered image references (MiniMaxH3Ref2VASetupStep /
+        MiniMaxH3Ref2VAReferenceEncoderStep / MiniMaxH3PrepareConditionLatentsStep): each image at
+        its own size, already the one the pipeline normalises it to (short edge `short_edge`, both
+        edges multiples of the canvas multiple, 1:4 to 4:1), encoded and noised as a keyframe is,
+        in request order; the order is the request (labels, rotary clock)."""
+        layout = self.layout(sampling)
+        if not 1 <= len(references) <= MAX_IMAGE_REFERENCES:
+            raise InvalidRequestError("ref2va takes 1 to 9 ordered image references",
+                                      field="media.reference",
+                                      expected=f"1..{MAX_IMAGE_REFERENCES}", actual=len(references))
+        if "vae" not in modules:
+            raise InvalidRequestError("references need the video VAE's encoder",
+                                      field="media_modules", expected=["vae"],
+                                      actual=sorted(modules))
+        multiple = self.dims.canvas_multiple
+        for i, image in enumerate(references):
+            field = f"media.reference[{i}]"
+            if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+                raise MediaFormatError("a reference is a uint8 (3, H, W) image", field=field,
+                                       expected="uint8 (3, H, W)",
+                                       actual=f"{image.dtype} {tuple(image.shape)}")
+            h, w = int(image.shape[1]), int(image.shape[2])
+            if min(h, w) != short_edge or h % multiple or w % multiple or \
+                    not 0.25 <= w / h <= 4:
+                raise MediaFormatError("a reference must already be at the size ref2va encodes it "
+                                       "at; nothing is resized", field=field,
+                                       expected=f"short edge {short_edge}, edges multiples of "
+                                       f"{multiple}, 1:4 to 4:1", actual=(h, w))
+        from diffusers import MiniMaxH3Scheduler
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+        latents = [self.keyframe_latent(modules["vae"], image).float() for image in references]
+        scheduler, rows = MiniMaxH3Scheduler(), []
+        for seed in sampling.seeds:          # the row's generator: one draw per reference first
+            g = torch.Generator().manual_seed(int(seed))
+            rows.append(torch.cat([patchify_video_latents(
+                scheduler.scale_noise(z, KEYFRAME_NOISE_AUG,
+                                      torch.randn(z.shape, generator=g, dtype=torch.float32)),
+                self.dims.patch) for z in latents]))
+        geometry = torch.tensor([[list(z.shape[2:5]) for z in latents]], dtype=torch.long)
+        return MediaCondition(inputs={LAYOUT: layout.encoded(), KEYFRAME_ROWS: torch.stack(rows),
+                                      REFERENCE_GEOMETRY: geometry},
+                              key=(*layout.encoded()[0].tolist(), *geometry.flatten().tolist()))
+
+
 def check_keyframe(frame: torch.Tensor, sampling: SamplingSpec, field: str) -> None:
     """A keyframe is uint8 (3, H, W) at the request's canvas: the pipeline would stretch or
     cover-crop another size onto it, the project refuses it (nothing is resized)."""
@@ -400,6 +452,10 @@ def check_keyframe(frame: torch.Tensor, sampling: SamplingSpec, field: str) -> N
                                "width; nothing is resized or cropped", field=field,
                                expected=f"uint8 {want}",
                                actual=f"{frame.dtype} {tuple(frame.shape)}")
+
+
+# what build_ref2va_packed_sequence reads of an image reference (its geometry comes from the latent)
+_IMAGE_REFERENCE = SimpleNamespace(kind="image", has_audio=False)
 
 
 class MiniMaxH3Denoiser:
@@ -430,9 +486,15 @@ class MiniMaxH3Denoiser:
 
     def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
         from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-            MiniMaxH3PrepareLayoutStep, MiniMaxH3SetTimestepsStep)
+            MiniMaxH3PrepareLayoutStep, MiniMaxH3Ref2VAPrepareLayoutStep,
+            MiniMaxH3SetTimestepsStep)
         layout = self.codec.layout_of(media)
-        transformer = models["transformer"]
+        geometry = (media or {}).get(REFERENCE_GEOMETRY)
+        name = "transformer" if geometry is None else "transformer_ref"   # ref2va's partition
+        if name not in models:
+            raise InvalidRequestError("this forward needs its transformer partition",
+                                      field="models", expected=name, actual=sorted(models))
+        transformer = models[name]
         video, audio = layout.tokens(state)
         anchors_in = (media or {}).get(KEYFRAME_ANCHORS)
         anchors = () if anchors_in is None else tuple(
@@ -443,10 +505,23 @@ class MiniMaxH3Denoiser:
             length = int(cond["text_length"][r])
             embeds = cond["prompt_embeds"][r:r + 1, :length]
             tags = cond["text_tags"][r, :length]
-            position_ids, token_tags, video_idx, audio_idx, text_idx, n_cond, _ = \
-                MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                    tags.cpu(), layout.frames, layout.rows, layout.cols, layout.audio,
-                    layout.dims.patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)
+            if geometry is None:
+                position_ids, token_tags, video_idx, audio_idx, text_idx, n_cond, _ = \
+                    MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+                        tags.cpu(), layout.frames, layout.rows, layout.cols, layout.audio,
+                        layout.dims.patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)
+            else:
+                position_ids, token_tags, video_idx, audio_idx, text_idx, n_cond, _ = \
+                    MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+                        tags.cpu(), [_IMAGE_REFERENCE] * geometry.shape[1],
+                        [torch.empty(1, 1, *g, device="meta") for g in geometry[0].tolist()], [],
+                        layout.frames, layout.rows, layout.cols, layout.audio,
+                        layout.dims.patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG)
+            if n_cond and not bool((tags == VIDEO_TAG).any()):
+                raise InvalidRequestError("a keyframe / reference row needs its presentation "
+                                          "(the conditioner's encode_presentation)",
+                                          field="cond.text_tags", expected="vision blocks",
+                                          actual="text only")
             s = sigma[r].float()
             t_video = 1.0 - s                        # scheduler.timesteps = 1 - sigmas[:-1]
             sa, audio_scale = self.audio_timing(float(s), layout.num_steps)

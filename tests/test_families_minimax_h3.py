@@ -215,6 +215,88 @@ def test_keyframe_roles_and_counts(setup):
     assert err.value.field == "task"
 
 
+# ---- ref2va: ordered image references, the transformer_ref partition ---------------------------
+
+_rgen = torch.Generator().manual_seed(9)
+REFERENCES = [torch.randint(0, 256, (3, 32, 64), generator=_rgen, dtype=torch.uint8),
+              torch.randint(0, 256, (3, 64, 32), generator=_rgen, dtype=torch.uint8)]
+
+
+def run_ref2va(family, models, processor, transformer_ref, references):
+    s = sampling()
+    bundle = family.conditioner.tokenize([PROMPT])[0]
+    cond = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor, bundle,
+                                                  references)
+    mc = family.codec.encode_references(models.media, s, references, 32)
+    sigmas = family.sigmas(s)
+    x0 = initial_noise([SEED], family.codec.state_shape(s))
+    x = x0
+    for i in range(STEPS):
+        x = denoise_step(family.denoiser, {"transformer_ref": transformer_ref}, x,
+                         sigmas[i].expand(1), sigmas[i + 1].expand(1), cond, Guidance.none(1),
+                         SamplerKind.ODE, 0.0, media=mc.inputs).prev_sample
+    return x0, x, cond
+
+
+def test_ref2va_equals_the_modular_pipeline_and_order_matters(setup):
+    """Two references of different shapes, at the short edge the pipeline is configured to
+    encode them at (reference_image_short_edge 32 here, 2048 released): embeddings, latents of
+    both streams; swapping them is another request."""
+    from PIL import Image
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3ImageReference
+    family, models, processor, pipe = setup
+    transformer_ref = family.load("transformer_ref")
+    x0, x, cond = run_ref2va(family, models, processor, transformer_ref, REFERENCES)
+    layout = family.codec.layout(sampling())
+    video, audio = layout.tokens(x0)
+    pipe.update_components(transformer_ref=transformer_ref)
+    pipe.register_to_config(reference_image_short_edge=32)
+    pil = lambda t: Image.fromarray(t.permute(1, 2, 0).contiguous().numpy())   # noqa: E731
+    out = pipe(prompt=PROMPT, references=[MiniMaxH3ImageReference(image=pil(r))
+                                          for r in REFERENCES],
+               num_inference_steps=STEPS + 1, latents=layout.unpack_video(video),
+               audio_latents=audio[0].reshape(2, layout.audio, -1).permute(0, 2, 1),
+               generator=torch.Generator().manual_seed(SEED), output_type="pt",
+               output=["latents", "audio_latents", "prompt_embeds"], **SIZE)
+    ours = family.codec.split_state(x, sampling())
+    assert torch.equal(cond["prompt_embeds"], out["prompt_embeds"].float())
+    video_diff = (ours["video_latent"] - out["latents"]).abs().max().item()
+    audio_diff = (ours["audio_latent"] - pipeline_audio_rows(out["audio_latents"])).abs().max()
+    assert video_diff <= 1e-4 and float(audio_diff) <= 1e-4, (video_diff, float(audio_diff))
+    _, swapped, _ = run_ref2va(family, models, processor, transformer_ref, REFERENCES[::-1])
+    assert (swapped - x).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("references, error, field", [
+    ([torch.zeros(3, 48, 64, dtype=torch.uint8)], MediaFormatError, "media.reference[0]"),
+    ([REFERENCES[0], torch.zeros(3, 32, 40, dtype=torch.uint8)], MediaFormatError,
+     "media.reference[1]"),                                 # not a multiple of 32
+    ([torch.zeros(3, 32, 160, dtype=torch.uint8)], MediaFormatError, "media.reference[0]"),
+    ([REFERENCES[0].float()], MediaFormatError, "media.reference[0]"),
+    ([], InvalidRequestError, "media.reference"),
+    ([REFERENCES[0]] * 10, InvalidRequestError, "media.reference"),
+])
+def test_references_of_another_size_or_count_are_refused(setup, references, error, field):
+    family, models = setup[0], setup[1]
+    with pytest.raises(error) as err:
+        family.codec.encode_references(models.media, sampling(), references, 32)
+    assert err.value.field == field
+
+
+def test_a_keyframe_row_without_its_presentation_is_refused(setup):
+    """Keyframe rows with a text-only condition (the vision blocks missing) never run."""
+    family, models = setup[0], setup[1]
+    s = sampling()
+    cond = family.conditioner.encode(models.encoders, family.conditioner.tokenize([PROMPT]))
+    mc = family.codec.encode_media(models.media, s, {MediaRole.FIRST_FRAME: FIRST})
+    x = initial_noise([SEED], family.codec.state_shape(s))
+    with pytest.raises(InvalidRequestError) as err:
+        denoise_step(family.denoiser, models.transformers, x, family.sigmas(s)[:1],
+                     family.sigmas(s)[1:2], cond, Guidance.none(1), SamplerKind.ODE, 0.0,
+                     media=mc.inputs)
+    assert err.value.field == "cond.text_tags"
+
+
 # ---- ETP: the Qwen3-VL conditioner split over 2 gloo ranks ------------------------------------
 
 def _free_port() -> int:
