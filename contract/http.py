@@ -32,7 +32,7 @@ _VALUE_BOUNDS = {"samples_per_prompt": "max_samples_per_prompt", "num_steps": "m
                  "height": "max_height", "width": "max_width", "num_frames": "max_frames",
                  "guidance_scale": "max_guidance_scale"}
 _COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
-                 "artifacts": "max_artifacts", "metadata": "max_prompts"}
+                 "artifacts": "max_artifacts", "metadata": "max_prompts", "images": "max_prompts"}
 _MetaText = Annotated[str, StringConstraints(max_length=MAX_METADATA_CHARS)]
 _MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_CHARS)]
 PromptMetadata = dict[_MetaKey, _MetaText | int | float | bool]
@@ -66,6 +66,10 @@ class HTTPRolloutRequest(FrozenModel):
     metadata: tuple[PromptMetadata, ...] | None = Field(
         None, description="One flat object per prompt, passed to the scorers with it (e.g. "
                           "{\"ocr_text\": \"OPEN\"}); scalar values only, bounded in size.")
+    images: tuple[str, ...] | None = Field(
+        None, description="One source image per prompt for a task that takes one (edit): "
+                          "base64 of a PNG / JPEG / WebP file, 8-bit RGB, within max_width x "
+                          "max_height; decoded at the ingress, never resized or converted.")
 
     @model_validator(mode="before")
     @classmethod
@@ -79,7 +83,8 @@ class HTTPRolloutRequest(FrozenModel):
         return value
 
     # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
-    @field_validator("prompts", "negative_prompts", "artifacts", "metadata", mode="before")
+    @field_validator("prompts", "negative_prompts", "artifacts", "metadata", "images",
+                     mode="before")
     @classmethod
     def _check_count(cls, value: Any, info: ValidationInfo) -> Any:
         limits = _limits(info)
@@ -157,6 +162,13 @@ class HTTPRolloutRequest(FrozenModel):
         if self.metadata is not None and len(self.metadata) != len(self.prompts):
             raise InvalidRequestError("one metadata object per prompt", field="metadata",
                                       expected=len(self.prompts), actual=len(self.metadata))
+        return self
+
+    @model_validator(mode="after")
+    def _check_image_count(self) -> "HTTPRolloutRequest":
+        if self.images is not None and len(self.images) != len(self.prompts):
+            raise InvalidRequestError("one image per prompt", field="images",
+                                      expected=len(self.prompts), actual=len(self.images))
         return self
 
     @model_validator(mode="after")

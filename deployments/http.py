@@ -19,12 +19,13 @@ from ray.exceptions import RayTaskError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from contract import (GraphResult, InvalidRequestError, MalformedBodyError,
-                      RolloutError, RolloutRequest, SamplingSpec)
+from contract import (GraphResult, InvalidRequestError, MalformedBodyError, MediaInput,
+                      MediaRole, Modality, RolloutError, RolloutRequest, SamplingSpec)
 from contract.errors import (MethodNotAllowedError, MisdirectedRequestError, NotFoundError,
                              UnsupportedMediaTypeError)
 from contract.http import (HTTPRolloutRequest, error_field, first_error, parse_rollout_body,
                            read_bounded_body)
+from deployments.source_images import decode_source_image
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,11 +90,7 @@ class HTTPFront:
             raise InvalidRequestError(f"adapter {self.family.name} does not serve this task",
                                       field="task", expected=[t.value for t in self.family.spec.tasks],
                                       actual=task.value)
-        if self.family.spec.tasks[task]:
-            raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
-                                      "request cannot carry (use the handle API)", field="media",
-                                      expected=sorted(r.value for r in self.family.spec.tasks[task]),
-                                      actual=[])
+        media = self._http_media(payload, task)
         bundles = self.family.conditioner.tokenize(payload.prompts, payload.negative_prompts)
         n = payload.samples_per_prompt
         out = []
@@ -107,11 +104,36 @@ class HTTPFront:
                 width=payload.width or defaults.get("width", 32),
                 num_frames=payload.num_frames or defaults.get("num_frames", 1))
             out.append(RolloutRequest(prompt=bundle, sampling=sampling, task=task,
+                                      media=media[i] if media else None,
                                       requested_artifacts=payload.artifacts,
                                       policy_version=payload.policy_version,
                                       metadata=dict(payload.metadata[i]) if payload.metadata
                                       else {}))
         return out
+
+
+    def _http_media(self, payload: HTTPRolloutRequest, task) -> list[tuple[MediaInput, ...]]:
+        """The condition media HTTP carries: an edit's source image per prompt (`images`,
+        decoded and bounded by deployments/source_images.py); any other media role is the
+        handle API's. A task without its image, or images for a task without one: typed."""
+        roles = self.family.spec.tasks[task]
+        if roles == (MediaRole.IMAGE,):
+            if payload.images is None:
+                raise InvalidRequestError(f"task {task.value} takes one source image per prompt",
+                                          field="images", expected=len(payload.prompts),
+                                          actual=None)
+            return [(MediaInput(Modality.IMAGE, MediaRole.IMAGE,
+                                decode_source_image(text, f"images[{i}]",
+                                                    self.config.limits)),)
+                    for i, text in enumerate(payload.images)]
+        if roles:
+            raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
+                                      "request cannot carry (use the handle API)", field="media",
+                                      expected=sorted(r.value for r in roles), actual=[])
+        if payload.images is not None:
+            raise InvalidRequestError(f"task {task.value} takes no image", field="images",
+                                      expected=None, actual=len(payload.images))
+        return []
 
 
 def stage_error(exc: BaseException) -> BaseException:
