@@ -7,15 +7,18 @@ files put into each request's metadata):
     {"tag": "counting" | "colors" | "position" | ..., "prompt": <the prompt>,
      "include": [{"class": c, "count": k, "color"?: colour, "position"?: [relation, index]}],
      "exclude"?: [{"class": c, "count": k}]}
-Detection (transformers' own class from a local checkpoint, `AutoModelForObjectDetection`: a
-DETR-like detector whose `id2label` holds the classes the metadata names): per class, the
-detections above `threshold` (`counting_threshold` for the tag "counting"), most confident
-first, at most `max_objects`, greedy NMS at `max_overlap` (1 = none). Then GenEval's `evaluate`:
-an include clause needs `count` objects of its class, the `count` most confident ones of the
-`color` (CLIP zero-shot over GenEval's ten colours with its three templates, on the box crop:
-this detector gives no masks, so the crop is not composited onto GenEval's grey background) and
-each in `relation` to every object of the clause `index` names (centres offset by
-`position_threshold` times the two boxes' sizes); an exclude clause fails with `count` or more.
+Detection (transformers' own classes from a local checkpoint whose `id2label` holds the classes
+the metadata names): `instance_segmentation` (default; GenEval's detector is Mask2Former) loads
+`AutoModelForUniversalSegmentation` (Mask2FormerForUniversalSegmentation), each instance's box
+from its mask as mmdet's mask2bbox; `object_detection` loads `AutoModelForObjectDetection` (DETR
+and its kin), boxes only. Per class, the detections above `threshold` (`counting_threshold` for
+the tag "counting"), most confident first, at most `max_objects`, greedy NMS at `max_overlap`
+(1 = none). Then GenEval's `evaluate`: an include clause needs `count` objects of its class, the
+`count` most confident ones of the `color` (CLIP zero-shot over GenEval's ten colours with its
+three templates, on the box crop of the image composited onto `background` through the
+instance's mask where the detector gives one) and each in `relation` to every object of the
+clause `index` names (centres offset by `position_threshold` times the two boxes' sizes); an
+exclude clause fails with `count` or more.
 Scores: "correct" (1 / 0, the benchmark's) and "clauses" (share of clauses met).
 Metadata that is not GenEval's, names another prompt, or names a class the detector lacks is the
 client's UnscorableInputError naming `metadata[i].<field>`.
@@ -27,7 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from contract import Modality, ScorerOutput, UnscorableInputError
 from rewards.base import ScoreRequest
@@ -39,6 +43,11 @@ from rewards.media import require_decoded, require_prompt_per_sample
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 COLOR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}",
                    "a photo of a {c} object")
+
+
+class DetectorKind(str, Enum):
+    INSTANCE_SEGMENTATION = "instance_segmentation"   # Mask2Former: boxes from masks
+    OBJECT_DETECTION = "object_detection"             # DETR-like: boxes only
 
 
 class Relation(str, Enum):
@@ -150,8 +159,8 @@ def relative_position(box_a: np.ndarray, box_b: np.ndarray, threshold: float) ->
 def select_objects(boxes: np.ndarray, labels: np.ndarray, classes: Sequence[str],
                    threshold: float, max_objects: int, max_overlap: float
                    ) -> dict[str, list[np.ndarray]]:
-    """Detections (N, 5) [x0, y0, x1, y1, score] with class indices (N,) -> class -> kept boxes,
-    most confident first."""
+    """Detections (N, >= 5) [x0, y0, x1, y1, score, ...] with class indices (N,) -> class ->
+    kept rows, most confident first."""
     out: dict[str, list[np.ndarray]] = {}
     for c, name in enumerate(classes):
         mine = boxes[labels == c]
@@ -166,6 +175,22 @@ def select_objects(boxes: np.ndarray, labels: np.ndarray, classes: Sequence[str]
         if kept:
             out[name] = kept
     return out
+
+
+def mask_to_box(mask: np.ndarray) -> list[float]:
+    """(H, W) bool -> [x0, y0, x1, y1], exclusive ends (mmdet's mask2bbox); an empty mask is
+    [0, 0, 0, 0]."""
+    cols, rows = np.flatnonzero(mask.any(0)), np.flatnonzero(mask.any(1))
+    if cols.size == 0:
+        return [0.0, 0.0, 0.0, 0.0]
+    return [float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)]
+
+
+def _rows(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """(N, 4) boxes + (N,) scores -> (N, 6) [x0, y0, x1, y1, score, index]."""
+    n = scores.shape[0]
+    return np.concatenate([boxes.reshape(n, 4), scores.reshape(n, 1),
+                           np.arange(n, dtype=np.float64).reshape(n, 1)], 1).astype(np.float64)
 
 
 def _crop_box(box: np.ndarray) -> tuple[int, int, int, int]:
@@ -227,8 +252,11 @@ class GenEvalScorerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     name: str = "geneval"
-    detector_dir: str = Field(description="local transformers object-detection checkpoint "
-                              "(config.json with id2label, weights, preprocessor_config.json)")
+    detector_dir: str = Field(description="local transformers detector checkpoint (config.json "
+                              "with id2label, weights, preprocessor_config.json)")
+    detector: DetectorKind = DetectorKind.INSTANCE_SEGMENTATION
+    background: str = Field("#999", description="what a masked crop shows outside its mask "
+                            "(GenEval's bgcolor)")
     clip_dir: str = Field(description="local transformers CLIPModel snapshot (colour)")
     clip_processor_dir: str | None = Field(None, description="CLIPProcessor dir; None = clip_dir")
     artifact: str = "image"
@@ -240,19 +268,30 @@ class GenEvalScorerConfig(BaseModel):
     device: str = "cpu"
     dtype: str = "float32"
 
+    @field_validator("background")
+    @classmethod
+    def _check_background(cls, value: str) -> str:
+        from PIL import ImageColor
+        ImageColor.getrgb(value)          # ValueError for a colour PIL cannot read
+        return value
+
 
 class GenEvalScorer:
     primary = "correct"
 
     def __init__(self, config: GenEvalScorerConfig):
-        from transformers import AutoImageProcessor, AutoModelForObjectDetection, CLIPModel
+        from transformers import (AutoImageProcessor, AutoModelForObjectDetection,
+                                  AutoModelForUniversalSegmentation, CLIPModel)
         self.config = config
         self.name = config.name
         self.required_artifacts = (config.artifact,)
         self._dtype = torch_dtype(config.dtype, f"{self.name}.dtype")
         det_path = check_snapshot(config.detector_dir, f"{self.name}.detector_dir",
                                   ("config.json", "preprocessor_config.json"))
-        self._detector = load_pretrained(AutoModelForObjectDetection, det_path,
+        cls = (AutoModelForUniversalSegmentation
+               if config.detector is DetectorKind.INSTANCE_SEGMENTATION
+               else AutoModelForObjectDetection)
+        self._detector = load_pretrained(cls, det_path,
                                          f"{self.name}.detector_dir", self._dtype
                                          ).to(config.device).eval().requires_grad_(False)
         self._det_processor = AutoImageProcessor.from_pretrained(str(det_path),
@@ -268,19 +307,34 @@ class GenEvalScorer:
 
     # ---- models ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def detect(self, images: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(B, 3, H, W) uint8 -> per image (boxes (N, 5) [x0, y0, x1, y1, score], labels (N,))
-        of every query (threshold 0: the rules threshold per tag)."""
+    def detect(self, images: torch.Tensor
+               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """(B, 3, H, W) uint8 -> per image (boxes (N, 6) [x0, y0, x1, y1, score, index],
+        labels (N,), masks (N, H, W) bool or None) of every detection (threshold 0: the rules
+        threshold per tag); `index` is the row of the detection's mask."""
         arrays = list(np.ascontiguousarray(images.cpu().numpy().transpose(0, 2, 3, 1)))
         inputs = self._det_processor(images=arrays, return_tensors="pt")
         inputs = {k: v.to(self.config.device, self._dtype if v.is_floating_point() else v.dtype)
                   for k, v in inputs.items()}
         outputs = self._detector(**inputs)
         sizes = [tuple(images.shape[-2:])] * images.shape[0]
-        results = self._det_processor.post_process_object_detection(outputs, threshold=0.0,
-                                                                    target_sizes=sizes)
-        return [(torch.cat([r["boxes"].float(), r["scores"].float()[:, None]], 1).cpu().numpy()
-                 .astype(np.float64), r["labels"].cpu().numpy()) for r in results]
+        if self.config.detector is DetectorKind.OBJECT_DETECTION:
+            results = self._det_processor.post_process_object_detection(
+                outputs, threshold=0.0, target_sizes=sizes)
+            return [(_rows(r["boxes"].float().cpu().numpy(), r["scores"].float().cpu().numpy()),
+                     r["labels"].cpu().numpy(), None) for r in results]
+        results = self._det_processor.post_process_instance_segmentation(
+            outputs, threshold=0.0, target_sizes=sizes, return_binary_maps=True)
+        out = []
+        for r, size in zip(results, sizes):
+            infos = r["segments_info"]
+            masks = (np.zeros((0, *size), dtype=bool) if r["segmentation"] is None or not infos
+                     else r["segmentation"].cpu().numpy().astype(bool))
+            boxes = np.array([mask_to_box(m) for m in masks], dtype=np.float64).reshape(-1, 4)
+            scores = np.array([i["score"] for i in infos], dtype=np.float64)
+            out.append((_rows(boxes, scores), np.array([i["label_id"] for i in infos],
+                                                       dtype=np.int64), masks))
+        return out
 
     def color_classifier(self, cls: str) -> torch.Tensor:
         """(D, 10): per colour the normalised mean of its three templates' normalised text
@@ -301,12 +355,19 @@ class GenEvalScorer:
         return self._color_classifiers[cls]
 
     @torch.inference_mode()
-    def colors(self, image: torch.Tensor, boxes: list[np.ndarray], cls: str) -> list[str]:
-        """GenEval's colour of each box: CLIP zero-shot on PIL's crop of the box."""
+    def colors(self, image: torch.Tensor, boxes: list[np.ndarray], cls: str,
+               masks: np.ndarray | None = None) -> list[str]:
+        """GenEval's colour of each detection: CLIP zero-shot on PIL's crop of its box, the
+        image composited onto the background through its mask first when there are masks."""
         from PIL import Image
         pil = Image.fromarray(np.ascontiguousarray(image.cpu().numpy().transpose(1, 2, 0)))
-        crops = [torch.from_numpy(np.asarray(pil.crop(_crop_box(box))).copy()).permute(2, 0, 1)
-                 for box in boxes]
+        blank = Image.new("RGB", pil.size, color=self.config.background)
+        crops = []
+        for box in boxes:
+            shown = pil if masks is None else Image.composite(
+                pil, blank, Image.fromarray(masks[int(box[5])]))
+            crops.append(torch.from_numpy(np.asarray(shown.crop(_crop_box(box))).copy()
+                                          ).permute(2, 0, 1))
         feats = []
         for crop in crops:
             pixels = images_to_pixels(self._clip_processor, crop[None], self.config.device,
@@ -328,13 +389,12 @@ class GenEvalScorer:
         metas = [parse_metadata(m, p, self.classes, self.name, i)
                  for i, (m, p) in enumerate(zip(request.metadata, request.prompts))]
         correct, clauses = [], []
-        for image, meta, (boxes, labels) in zip(art.data, metas, self.detect(art.data)):
+        for image, meta, (boxes, labels, masks) in zip(art.data, metas, self.detect(art.data)):
             threshold = cfg.counting_threshold if meta.tag == "counting" else cfg.threshold
             objects = select_objects(boxes, labels, self.classes, threshold, cfg.max_objects,
                                      cfg.max_overlap)
-            ok, share, _ = evaluate(objects, meta,
-                                      lambda found, cls, im=image: self.colors(im, found, cls),
-                                      cfg.position_threshold)
+            ok, share, _ = evaluate(objects, meta, lambda found, cls, im=image, mk=masks:
+                                    self.colors(im, found, cls, mk), cfg.position_threshold)
             correct.append(float(ok))
             clauses.append(share)
         return ok_output(self.name, {"correct": torch.tensor(correct),

@@ -1,6 +1,7 @@
 """GenEval: its rules against excerpts of the benchmark's own code on constructed detections, and
-the scorer end to end on a tiny random-weight DETR (transformers' DetrForObjectDetection, saved
-and loaded back through AutoModelForObjectDetection) and a tiny CLIP for colour.
+the scorer end to end on tiny random-weight detectors saved and loaded back through transformers'
+Auto classes (Mask2FormerForUniversalSegmentation, GenEval's detector, with the masked crops;
+DetrForObjectDetection) and a tiny CLIP for colour.
 
 Reference: djghosh13/geneval, evaluation/evaluate_images.py, commit
 af4902f24d3ca90ebbb446dd9891a59e0f82725f (`compute_iou`, `relative_position`, `evaluate`, the
@@ -128,13 +129,15 @@ def test_rules_on_constructed_detections():
         assert bool(reasons) == (not correct)
 
 
-@pytest.fixture(scope="module")
-def scorer(tmp_path_factory):
+@pytest.fixture(scope="module", params=["instance_segmentation", "object_detection"])
+def scorer(request, tmp_path_factory):
     from testing import preference_snapshots as ps
-    from testing.detector_snapshots import write_tiny_detr
+    from testing.detector_snapshots import write_tiny_detr, write_tiny_mask2former
     root = tmp_path_factory.mktemp("geneval")
+    write = write_tiny_mask2former if request.param == "instance_segmentation" else \
+        write_tiny_detr
     return build_scorer(ScorerSpec(kind="geneval", params={
-        "detector_dir": write_tiny_detr(root / "detr", CLASSES),
+        "detector_dir": write(root / "detector", CLASSES), "detector": request.param,
         "clip_dir": ps.write_hf_clip_dir(root / "clip"), "threshold": 0.0}))
 
 
@@ -148,16 +151,23 @@ def test_scorer_end_to_end_on_a_tiny_detector(scorer):
               "exclude": [{"class": "cat", "count": 3}]})
     out = scorer.score(ScoreRequest({"image": MediaArtifact(IMAGE, images)}, prompts, metas))
     # the same outcome from the detector's raw detections through the rules
-    for i, ((boxes, labels), meta) in enumerate(zip(scorer.detect(images), metas)):
-        assert boxes.shape == (12, 5) and set(labels.tolist()) <= set(range(len(CLASSES)))
+    for i, ((boxes, labels, masks), meta) in enumerate(zip(scorer.detect(images), metas)):
+        assert boxes.shape[1] == 6 and boxes.shape[0] == labels.shape[0] > 0
+        assert set(labels.tolist()) <= set(range(len(CLASSES)))
+        if masks is not None:            # Mask2Former: each box is its mask's (mmdet mask2bbox)
+            assert masks.shape == (boxes.shape[0], 40, 48)
+            for box, mask in zip(boxes, masks):
+                ys, xs = np.nonzero(mask)
+                if xs.size:
+                    assert box[:4].tolist() == [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
         parsed = GenEvalMetadata.model_validate(meta)
         threshold = 0.9 if parsed.tag == "counting" else 0.0
         objects = select_objects(boxes, labels, CLASSES, threshold, 16, 1.0)
-        correct, share, _ = evaluate(objects, parsed, lambda f, c, im=images[i]:
-                                     scorer.colors(im, f, c), 0.1)
+        correct, share, _ = evaluate(objects, parsed, lambda f, c, im=images[i], mk=masks:
+                                     scorer.colors(im, f, c, mk), 0.1)
         assert out.scores["correct"][i] == float(correct)
         assert out.scores["clauses"][i] == pytest.approx(share)
-    colors = scorer.colors(images[0], [np.array([2.4, 3.6, 20.5, 30, 1.0])], "dog")
+    colors = scorer.colors(images[0], [np.array([2.4, 3.6, 20.5, 30, 1.0, 0])], "dog")
     assert len(colors) == 1 and colors[0] in COLORS
     assert scorer.color_classifier("dog").shape[1] == len(COLORS)
 
@@ -179,3 +189,23 @@ def test_metadata_that_does_not_match_its_prompt_is_the_clients_error(scorer, me
     with pytest.raises(UnscorableInputError) as e:
         scorer.score(ScoreRequest({"image": MediaArtifact(IMAGE, images)}, ("a dog",), (meta,)))
     assert e.value.field == field and e.value.http_status == 422
+
+
+def test_masked_crop_shows_the_background_outside_the_mask(scorer, monkeypatch):
+    """GenEval's ImageCrops: the image composited onto the grey background through the mask,
+    then cropped to the box. A white image whose mask covers its left half: the crop CLIP reads
+    is white on the left and #999 on the right."""
+    from rewards import geneval
+    image = torch.full((3, 8, 8), 255, dtype=torch.uint8)
+    mask = np.zeros((1, 8, 8), dtype=bool)
+    mask[0, :, :4] = True
+    crops, real = [], geneval.images_to_pixels
+
+    def recorded(processor, images, device, dtype):
+        crops.append(images.clone())
+        return real(processor, images, device, dtype)
+    monkeypatch.setattr(geneval, "images_to_pixels", recorded)
+    scorer.colors(image, [np.array([0, 0, 8, 6, 1.0, 0])], "dog", mask)
+    [crop] = crops
+    assert crop.shape == (1, 3, 6, 8)
+    assert (crop[0, :, :, :4] == 255).all() and (crop[0, :, :, 4:] == 0x99).all()

@@ -283,7 +283,7 @@ def test_new_rewards_drive_a_training_step(tiny, rank_scorer, judge_server, clip
         "base_url": f"{judge_server[1]}/v1", "model": "tiny-llava"}))
     geneval = build_scorer(ScorerSpec(kind="geneval", params={
         "detector_dir": write_tiny_detr(tmp_path / "detr", ("circle", "square", "triangle")),
-        "clip_dir": clip_dir, "threshold": 0.0}))
+        "detector": "object_detection", "clip_dir": clip_dir, "threshold": 0.0}))
     vae = adapter.load_decoder("image_latent")
     outputs = []
     for req, res in zip(requests, results):
