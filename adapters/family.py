@@ -39,6 +39,7 @@ from contract import (ArtifactSpec, Condition, ConfigError, InvalidRequestError,
                       TimeConvention, check_limits, normalize_media)
 from diffusion.guidance import GuidanceRule
 from diffusion.step import FrozenLatents, applied_guidance_scale, doubles_rows
+from diffusion.windows import check_flash, flash_sigmas
 
 
 def parse_options(cls: type[BaseModel], options: Mapping | None, family: str) -> BaseModel:
@@ -363,8 +364,14 @@ class ModelFamily(ABC):
                           field="rollout.packed_inference_form", expected=False, actual=True)
 
     def request_sigmas(self, sampling: SamplingSpec, media: MediaCondition) -> torch.Tensor:
-        """The sigma table of one request: `sigmas(sampling)`, unless its conditions change
-        the schedule (LTX-2's shift counts appended keyframe tokens)."""
+        """The sigma table of one request: `conditioned_sigmas`, compressed after the SDE
+        window when the request asks for MixGRPO-Flash (diffusion.flash_sigmas)."""
+        return flash_sigmas(self.conditioned_sigmas(sampling, media), sampling,
+                            self.schedule_shift(sampling))
+
+    def conditioned_sigmas(self, sampling: SamplingSpec, media: MediaCondition) -> torch.Tensor:
+        """`sigmas(sampling)`, unless the request's conditions change the schedule (LTX-2's
+        shift counts appended keyframe tokens)."""
         return self.sigmas(sampling)
 
     def pipeline_scheduler(self, sampling: SamplingSpec):
@@ -443,6 +450,7 @@ class ModelFamily(ABC):
                                       actual=sorted(r.value for r in media), request_id=rid)
         with request_errors(rid):
             doubles_rows(self.spec.guidance, request.sampling.guidance_scale)
+            check_flash(request.sampling)
             self.codec.state_shape(request.sampling)
             self.conditioner.check_ids(request.prompt)
             if request.prompt.negative is not None:

@@ -261,7 +261,7 @@ class LTX2Family(CheckpointFamily):
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         return self._sigmas(sampling, self.codec.layout(sampling).video_tokens)
 
-    def request_sigmas(self, sampling: SamplingSpec, media: MediaCondition) -> torch.Tensor:
+    def conditioned_sigmas(self, sampling: SamplingSpec, media: MediaCondition) -> torch.Tensor:
         layout = self.codec.layout_of(media.inputs)
         return self._sigmas(sampling, layout.video_tokens + layout.keyframe_tokens)
 

@@ -26,6 +26,7 @@ re-indexes the recorded prefix the same way, so each child's trajectory is its w
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -35,7 +36,7 @@ from contract import NonFiniteOutputError, SamplerKind, SamplingSpec, Trajectory
 from diffusion.noise import row_noise
 from diffusion.samplers import DETERMINISTIC, MULTISTEP, SolverHistory, StepOutput
 from diffusion.step import FrozenLatents, transition
-from diffusion.windows import uses_sde
+from diffusion.windows import check_flash_table, uses_sde
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class SampleRecorder:
         self.seeds = tuple(sampling.seeds)         # per current row
         self.noise = noise
         self.sigmas = sigmas                       # (N+1,) fp32 on the engine's device
+        if sampling.flash_compress is not None:    # the table must be MixGRPO-Flash's
+            check_flash_table(sampling, int(sigmas.shape[0]) - 1, request_id)
         self.frozen = frozen
         self.step = 0
         self.history: SolverHistory | None = None
@@ -97,11 +100,16 @@ class SampleRecorder:
         return self.step >= self.num_steps
 
     def kind(self) -> SamplerKind:
-        """The sampler of the current step."""
+        """The sampler of the current step: outside the SDE window ODE, or after it
+        DPM-Solver++(2M) under MixGRPO-Flash (`sampling.flash_compress`)."""
         sampler = self.sampling.sampler
         if sampler in DETERMINISTIC:
             return sampler
-        return sampler if uses_sde(self.step, self.window) else SamplerKind.ODE
+        if uses_sde(self.step, self.window):
+            return sampler
+        if self.sampling.flash_compress is not None and self.step >= self.window[1]:
+            return SamplerKind.DPM2
+        return SamplerKind.ODE
 
     def step_noise(self, rows: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """(rows, *S) fp32 noise of the current (stochastic) step."""
@@ -138,7 +146,11 @@ class SampleRecorder:
             noise = self.noise[j] if self.noise is not None else \
                 row_noise(seeds, j, tuple(x.shape[1:])).to(x.device, torch.float32)
         out = transition(kind, x, v, sigma, sigma_next, self.sampling.noise_level, noise,
-                         frozen=frozen, history=history)
+                         frozen=frozen, history=history if kind in MULTISTEP else None)
+        if out.history is None and self.sampling.flash_compress is not None:
+            # MixGRPO-Flash: every step's data prediction feeds the solver after the window
+            out = dataclasses.replace(out, history=SolverHistory(
+                x - sigma.reshape(-1, *([1] * (x.ndim - 1))) * v, sigma))
         check_finite(out.prev_sample, f"latents[step {j}]", self.request_id)
         if out.log_prob is not None:
             check_finite(out.log_prob, f"log_probs[step {j}]", self.request_id)
@@ -184,7 +196,7 @@ class SampleRecorder:
 def _shares_transition(recorder: SampleRecorder, fork: RowFork | None) -> bool:
     """One-step kinds without held entries or a fork run in a transition shared by requests."""
     return fork is None and recorder.frozen is None and recorder.history is None and \
-        recorder.sampling.sampler not in MULTISTEP
+        recorder.sampling.sampler not in MULTISTEP and recorder.sampling.flash_compress is None
 
 
 def propose_stacked(recorders: Sequence[SampleRecorder], rows: Sequence[int], x: torch.Tensor,

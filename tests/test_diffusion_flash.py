@@ -20,9 +20,12 @@ import math
 import pytest
 import torch
 
-from contract import InvalidRequestError, SamplerKind
+from contract import InvalidRequestError, SamplerKind, SamplingSpec
 from diffusion import flash_post_points, flash_schedule
+from diffusion.noise import row_noise
 from diffusion.samplers import SolverHistory, sampler_step
+from diffusion.windows import check_flash, flash_sigmas
+from rollout.recorder import SampleRecorder
 
 
 # ---- excerpts of the reference code -------------------------------------------------------
@@ -223,3 +226,37 @@ def test_bad_flash_options_are_typed_errors_naming_the_field():
         assert e.value.field == field and str(args[{"window_end": 1, "compress_ratio": 2,
                                                     "shift": 3}[field]]) in str(e.value)
     assert math.isclose(float(flash_schedule(sigmas, 4, 0.5, 1.0)[4]), float(sigmas[4]))
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("num_steps,window,ratio,shift", [CASES[0], CASES[1], CASES[3]])
+def test_the_rollout_recorder_samples_flash_as_mixgrpo(seed, num_steps, window, ratio, shift):
+    """The engines' SampleRecorder on a request with flash_compress (its table from
+    diffusion.flash_sigmas, as ModelFamily.request_sigmas builds it) lands where MixGRPO's
+    run_sample_step does with the same noise, and records the SDE window's trajectory."""
+    shape = (3, 4, 4, 4)
+    sampling = SamplingSpec(num_steps=num_steps, sde_window=window, noise_level=0.7,
+                            seeds=(11 + seed, 12 + seed, 13 + seed), flash_compress=ratio)
+    sigmas = sd3_time_shift(shift, torch.linspace(1, 0, num_steps + 1))
+    g = torch.Generator().manual_seed(200 + seed)
+    z = torch.randn(shape, generator=g)
+    velocity = _velocity_fn(seed, shape)
+    noises = [row_noise(sampling.seeds, j, shape[1:]) for j in range(num_steps)]
+    determistic = [not window[0] <= i < window[1] for i in range(num_steps)]
+    want, table = ref_run_sample_step(z, sigmas, determistic, velocity, 0.7, noises, ratio,
+                                      shift)
+    recorder = SampleRecorder(sampling, flash_sigmas(sigmas, sampling, shift))
+    x = z
+    while not recorder.done:
+        x = recorder.advance(x, velocity(x, recorder.sigmas[recorder.step]))
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(recorder.sigmas, table, rtol=1e-5, atol=1e-7)
+    traj = recorder.trajectory(torch.zeros(len(table) - 1), "v")
+    assert traj.window == window and traj.log_probs.shape == (3, window[1] - window[0])
+    if len(table) != len(sigmas):                       # an uncompressed table is refused
+        with pytest.raises(InvalidRequestError) as e:
+            SampleRecorder(sampling, sigmas)
+        assert e.value.field == "sampling.flash_compress"
+    with pytest.raises(InvalidRequestError) as e:        # a window reaching the last step
+        check_flash(sampling.model_copy(update={"sde_window": (1, num_steps)}))
+    assert e.value.field == "sampling.sde_window"

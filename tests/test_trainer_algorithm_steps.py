@@ -1,5 +1,6 @@
 """One in-process training step of each FlowGRPO variant on tiny_t2i through the real embedded
-rollout engine and learner (no Ray): GRPO-Guard's ratio and MixGRPO's sliding SDE window."""
+rollout engine and learner (no Ray): GRPO-Guard's ratio, MixGRPO's sliding SDE window and
+MixGRPO-Flash's higher-order solver after it."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,10 @@ import torch
 
 from adapters.tiny_t2i import TinyT2IFamily
 from contract import Algorithm, ConfigError
-from diffusion import sliding_sde_window
+from diffusion import flash_schedule, sliding_sde_window
 from rollout.engine import EmbeddedEngine
 from tests.test_trainer_local import _grads_of, _outputs, _rollout
+from trainer import checks
 from trainer.algorithms import recompute_step
 from trainer.config import PromptSource, SamplerSettings, TrainerConfig, load_trainer_config
 from trainer.learner import Learner
@@ -116,3 +118,57 @@ def test_mixgrpo_step_trains_the_window_of_its_optimizer_step(tiny):
     metrics = UPDATES[Algorithm.FLOW_GRPO](learner, batch, cfg, torch.Generator().manual_seed(0))
     assert metrics["trained_window_steps"] == 2.0 and metrics["grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
+
+
+def test_mixgrpo_flash_step_samples_the_compressed_schedule_and_trains_its_window(tiny):
+    """MixGRPO-Flash: every request of optimizer step k samples SDE in the sliding window and
+    DPM-Solver++(2M) after it on the compressed table the family builds; the learner's
+    recomputed log-probs equal the rollout's on that table, and the step trains the window."""
+    adapter, engine, _, learner = tiny
+    settings = SamplerSettings(num_steps=8, flash_compress=0.5,
+                               sliding_window={"size": 2, "shift_every": 1, "stride": 1})
+    cfg = TrainerConfig(algorithm=Algorithm.FLOW_GRPO, samples_per_prompt=4, sampler=settings,
+                        steps=3, advantage={"zero_advantage": "keep"})
+    tensors, scale = learner.export()
+    engine.load_lora("f-v0", tensors, scale)
+    prompts = adapter.conditioner.tokenize(captions(PromptSource.SHAPES, 2, 8))
+    requests = make_requests(adapter, prompts, settings, 4, 0, "f-v0", step=1)
+    assert all(r.sampling.sde_window == (1, 3) and r.sampling.flash_compress == 0.5
+               for r in requests)
+    results = _rollout(adapter, engine, learner, "f-v0", requests, prompts)
+    plain = make_requests(adapter, prompts, settings.model_copy(update={"flash_compress": None}),
+                          4, 0, "f-v0", step=1)
+    euler = _rollout(adapter, engine, learner, "f-v0", plain, prompts)
+    rewards = [(-(e.latents["image_latent"].data.mean(dim=(1, 2, 3)) - 0.1).abs()).tolist()
+               for e in results]
+    batch = build_batch(learner, prompts, _outputs(requests, results, rewards),
+                        [r.sampling for r in requests])
+    traj = batch.trajectory
+    nominal = adapter.sigmas(requests[0].sampling)
+    want = flash_schedule(nominal, 3, 0.5, adapter.schedule_shift(requests[0].sampling))
+    assert traj.sigmas.shape == (3 + 3,) and torch.allclose(traj.sigmas, want)
+    assert traj.window == (1, 3) and traj.latents.shape[1] == 3
+    assert not torch.allclose(results[0].latents["image_latent"].data,
+                              euler[0].latents["image_latent"].data, atol=1e-4)
+    parity = checks.logprob_mismatch(learner, traj, batch.cond, {"f-v0": tensors}.__getitem__,
+                                     batch.versions, 1e-4)
+    assert parity["logprob_ratio_err_max"] <= 1e-4
+    before = [p.detach().clone() for p in learner.params]
+    metrics = UPDATES[Algorithm.FLOW_GRPO](learner, batch, cfg, torch.Generator().manual_seed(0))
+    assert metrics["trained_window_steps"] == 2.0 and metrics["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
+
+
+def test_flash_options_are_validated():
+    cfg = load_trainer_config({"algorithm": "flow_grpo", "steps": 2, "sampler": {
+        "num_steps": 8, "window": [1, 3], "flash_compress": 0.4}})
+    assert cfg.sampler.flash_compress == 0.4
+    bad = [({"num_steps": 8, "flash_compress": 0.5}, "ending at step 7"),       # default window
+           ({"num_steps": 8, "window": [1, 3], "flash_compress": 0.1}, "flash_compress=0.1"),
+           ({"num_steps": 8, "sampler": "ode", "flash_compress": 0.4}, "flash_compress"),
+           ({"num_steps": 8, "window": [1, 3], "flash_compress": 1.5}, "flash_compress")]
+    for sampler, needle in bad:
+        with pytest.raises(ConfigError) as e:
+            load_trainer_config({"algorithm": "nft" if sampler.get("sampler") else "flow_grpo",
+                                 "steps": 2, "sampler": sampler})
+        assert needle in str(e.value)

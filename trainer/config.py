@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from contract import Algorithm, ConfigError, InvalidRequestError, SamplerKind, Task
 from contract.request import MIN_NOISE_LEVEL
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
-from diffusion.windows import sliding_sde_window, sliding_window_exhausted
+from diffusion.windows import flash_post_points, sliding_sde_window, sliding_window_exhausted
 from trainer.algorithms import (AWMWeighting, KLTarget, OldLogProbs, OldPolicySchedule,
                                 PolicyRatio, StdScope, TimestepOrder, TreeAdvantage)
 from trainer.algorithms.advantages import AdvantageMode, ZeroAdvantageRule
@@ -73,6 +73,10 @@ class SamplerSettings(Model):
     sliding_window: SlidingWindow | None = Field(
         None, description="MixGRPO's sliding SDE window (one per optimizer step); exclusive "
         "with window and window_size.")
+    flash_compress: float | None = Field(
+        None, gt=0.0, le=1.0, description="MixGRPO-Flash: after the SDE window, DPM-Solver++(2M) "
+        "on a schedule compressed to this share of the remaining points (MixGRPO's "
+        "dpm_post_compress_ratio, 0.4 in its Flash recipe); None = ODE after the window.")
     guidance_scale: float = Field(1.0, ge=0.0)
     height: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
     width: int | None = Field(None, ge=8, description="None = the adapter's sampling default.")
@@ -350,6 +354,7 @@ class TrainerConfig(Model):
         if self.algorithm is Algorithm.DPO and self.advantage.zero_advantage is not None:
             raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
                              "(best, worst) pair per group and a tied group has none")
+        self._check_flash()
         w = self.sampler.sliding_window
         if w is not None:
             empty = sliding_window_exhausted(self.sampler.num_steps, w.size, w.shift_every,
@@ -360,6 +365,36 @@ class TrainerConfig(Model):
                                  f"shift_every or fewer steps")
         check_recipe(self)
         return self
+
+    def _check_flash(self) -> None:
+        """Every SDE window the run samples must leave MixGRPO-Flash >= 2 points after it."""
+        s = self.sampler
+        if s.flash_compress is None:
+            return
+        if s.sampler in (SamplerKind.ODE, SamplerKind.DPM2):
+            raise ValueError(f"sampler.flash_compress follows an SDE window: the "
+                             f"{s.sampler.value} sampler has none")
+        if s.sliding_window is not None:
+            w = s.sliding_window
+            ends = set()
+            for step in range(self.steps):
+                try:
+                    ends.add(sliding_sde_window(step, s.num_steps, w.size, w.shift_every,
+                                                w.stride, w.roll_back)[1])
+                except InvalidRequestError:
+                    break                       # an exhausted window is refused below
+        elif s.window_size is not None:
+            lo, hi = s.random_window_range
+            ends = set(range(lo + s.window_size, hi + 1))
+        else:
+            ends = {(s.window or (0, s.num_steps - 1))[1]}
+        for end in sorted(ends):
+            try:
+                flash_post_points(s.num_steps, end, s.flash_compress)
+            except InvalidRequestError as exc:
+                raise ValueError(f"sampler.flash_compress={s.flash_compress} with an SDE window "
+                                 f"ending at step {end} of num_steps={s.num_steps}: "
+                                 f"{exc.message}") from None
 
     def graph_config(self) -> GraphConfig:
         if isinstance(self.graph, GraphConfig):

@@ -70,6 +70,7 @@ def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
             noise_level=0.0 if kind in DETERMINISTIC else settings.noise_level,
             sde_window=None if kind in DETERMINISTIC else request_window(settings, seed, i, step),
             guidance_scale=settings.guidance_scale,
+            flash_compress=None if kind in DETERMINISTIC else settings.flash_compress,
             seeds=tuple(seed + i * group + j for j in range(group)),
             **settings.media_shape(dict(adapter.spec.sampling_defaults)))
         out.append(RolloutRequest(prompt=bundle, sampling=sampling,
