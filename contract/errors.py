@@ -128,6 +128,12 @@ class UnscorableInputError(InvalidRequestError):
     http_status = 422
 
 
+class GroupSplitError(InvalidRequestError):
+    """A groupwise scorer was handed part of a prompt group, or rows without their groups
+    (rewards/groupwise.py): it compares each sample with its whole group only."""
+    http_status = 422
+
+
 # --- output validation (server-side, 5xx) --------------------------------------------------
 class OutputContractError(RolloutError):
     """A stage produced output that breaks the contract (never substituted, always raised)."""

@@ -19,16 +19,10 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from contract import ScorerOutput
-from contract.errors import InvalidRequestError
+from contract.errors import GroupSplitError
 from rewards.base import ScoreRequest
 from rewards.embedding import ok_output
 from rewards.hf_clip import HFClipScorerConfig, PickScoreScorer
-
-
-class GroupSplitError(InvalidRequestError):
-    """A groupwise scorer was handed part of a prompt group (or rows without their groups)."""
-
-    http_status = 422
 
 
 @runtime_checkable

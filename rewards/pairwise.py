@@ -158,8 +158,9 @@ class VLMPairwiseScorer:
         for g, sl in enumerate(slices):
             n = sl.stop - sl.start
             for i, j in itertools.combinations(range(n), 2):
-                jobs.append((g, (i, j), self.body(request.prompts[sl.start], (i, data[sl.start + i]),
-                                                  (j, data[sl.start + j]))))
+                body = self.body(request.prompts[sl.start], (i, data[sl.start + i]),
+                                 (j, data[sl.start + j]))
+                jobs.append((g, (i, j), body))
         answers = list(self._pool.map(self._client.post, [b for _, _, b in jobs]))
         winners: list[dict[tuple[int, int], int | None]] = [{} for _ in slices]
         for (g, pair, _), ans in zip(jobs, answers):

@@ -18,16 +18,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import re
 
 import pytest
 import torch
 
 from contract import (ArtifactSpec, ConfigError, MediaArtifact, MediaFormatError, RewardReport,
                       RolloutOutput, ScoreStatus)
-from contract.errors import RemoteScorerError
+from contract.errors import GroupSplitError, RemoteScorerError
 from rewards.base import ScoreRequest
-from rewards.groupwise import GroupSplitError, rank_in_group
+from rewards.groupwise import rank_in_group
 from rewards.pairwise import VLMPairwiseScorer, VLMPairwiseScorerConfig, win_rates
 from rewards.registry import ScorerSpec, build_scorer
 
