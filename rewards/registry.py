@@ -24,6 +24,7 @@ class ScorerKind(str, Enum):
     PITCH_COLOR = "pitch_color"
     CONDITION_FRAME = "condition_frame"
     CLIP = "clip"
+    CLIP_DIRECTIONAL = "clip_directional"   # an edit: CLIP image vs caption direction + source
     CLAP = "clap"
     IMAGEBIND = "imagebind"
     OCR = "ocr"                      # RapidOCR PP-OCRv4 (shipped weights), Flow-GRPO OCR reward
@@ -73,6 +74,8 @@ def build_scorer(spec: ScorerSpec) -> Scorer:
 
 _CONFIGURED = {   # kind -> (module, scorer class, its pydantic config class)
     ScorerKind.CLIP: ("rewards.clip", "ClipScorer", "ClipScorerConfig"),
+    ScorerKind.CLIP_DIRECTIONAL: ("rewards.clip_edit", "ClipDirectionalScorer",
+                                  "ClipDirectionalConfig"),
     ScorerKind.CLAP: ("rewards.clap", "ClapScorer", "ClapScorerConfig"),
     ScorerKind.IMAGEBIND: ("rewards.imagebind", "ImageBindScorer", "ImageBindScorerConfig"),
     ScorerKind.OCR: ("rewards.ocr", "OcrScorer", "OcrScorerConfig"),
