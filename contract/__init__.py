@@ -17,7 +17,7 @@ from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
                              UnexpectedArtifactError, UnscorableInputError,
                              MalformedBodyError)
 from contract.transport import ArtifactHandle, GraphResult, PackedTensors, StageOutput
-from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, TokenOutput, Trajectory
+from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, Trajectory
 from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,
                               SamplingSpec, check_limits, check_requested_artifacts,
                               normalize_media)

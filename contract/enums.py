@@ -89,14 +89,11 @@ class Task(str, Enum):
     I2V = "i2v"       # first frame + text -> video (no audio)
     I2VA = "i2va"     # first frame + text -> video + audio
     EDIT = "edit"     # source image (media role `image`) + instruction -> image
-    TEXT = "text"     # autoregressive text generation (AR strategy)
 
 
 class StopReason(str, Enum):
     FINISHED = "finished"
     CANCELLED = "cancelled"
-    LENGTH = "length"          # AR: max tokens reached
-    EOS = "eos"                # AR: end-of-sequence token
     ERROR = "error"
 
 

@@ -84,14 +84,3 @@ class RolloutOutput:
     rewards: RewardReport | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """AR strategy output: generated ids with their log-probs."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    stop_reason: StopReason
-    policy_version: str
