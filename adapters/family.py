@@ -205,10 +205,23 @@ NO_MEDIA = MediaCondition()
 
 
 class Conditioner(ABC):
-    """Prompts -> token ids (once) -> Condition. Ids are never decoded and re-tokenized."""
+    """Prompts -> token ids (once) -> Condition. Ids are never decoded and re-tokenized.
+    `media_roles`: condition media the text encoder itself reads (MiniMax-H3's keyframes, shown
+    to its Qwen3-VL conditioner); the encoder stage gets them with the prompt."""
+
+    media_roles: tuple[MediaRole, ...] = ()
 
     def __init__(self, spec: FamilySpec):
         self.spec = spec
+
+    def encode_with_media(self, encoders: Mapping[str, nn.Module],
+                          prompts: Sequence[PromptBundle],
+                          media: Sequence[Mapping[MediaRole, torch.Tensor]]) -> Condition:
+        """`encode` with each prompt's condition media of `media_roles` (one mapping per
+        prompt); a conditioner that reads none refuses them."""
+        raise InvalidRequestError("this family's text encoders read no condition media",
+                                  field="media", expected=[],
+                                  actual=sorted({r.value for m in media for r in m}))
 
     @abstractmethod
     def tokenize_one(self, encoder: EncoderSpec, text: str,

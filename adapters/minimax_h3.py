@@ -612,18 +612,26 @@ class Qwen3VLConditioner(TokenizingConditioner):
         return Condition({"prompt_embeds": embeds, "text_tags": text_tags,
                           "text_length": lengths})
 
-    def encode_presentation(self, encoder: nn.Module, processor, prompt: PromptBundle,
-                            keyframes: Sequence[torch.Tensor]) -> Condition:
-        """The FL2VA presentation (encoders.py MiniMaxH3FL2VATextEncoderStep): per keyframe a
+    def processor(self):
+        """The checkpoint's Qwen3VLProcessor (its image processor makes the vision inputs)."""
+        if "processor" not in self._tokenizers:
+            from adapters.checkpoint import load_component
+            self._tokenizers["processor"] = load_component(self.root, "processor")
+        return self._tokenizers["processor"]
+
+    def presentation(self, encoder: nn.Module, processor, prompt: PromptBundle,
+                     images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden (1, L, D), tags (L,)) of the presentation MiniMaxH3FL2VATextEncoderStep /
+        MiniMaxH3Ref2VATextEncoderStep build for keyframes / image references: per image a
         "<Picture i>: " label and a vision block (tagged video), then the prompt's ids."""
         tok = self.tokenizer(self.spec.encoder(QWEN3_VL))
-        images = [np.ascontiguousarray(k.permute(1, 2, 0).numpy()) for k in keyframes]
-        vision = processor.image_processor(images=images, return_tensors="pt")
+        arrays = [np.ascontiguousarray(k.permute(1, 2, 0).cpu().numpy()) for k in images]
+        vision = processor.image_processor(images=arrays, return_tensors="pt")
         grid = vision["image_grid_thw"]
         merge = processor.image_processor.merge_size ** 2
         ids: list[int] = []
         tags: list[int] = []
-        for i in range(len(keyframes)):
+        for i in range(len(images)):
             label = tok(f"<Picture {i + 1}>: ", add_special_tokens=False)["input_ids"]
             block = ([tok.convert_tokens_to_ids("<|vision_start|>")]
                      + [tok.convert_tokens_to_ids("<|image_pad|>")] * (int(grid[i].prod()) // merge)
@@ -635,7 +643,31 @@ class Qwen3VLConditioner(TokenizingConditioner):
         tags += [TEXT_TAG] * len(prompt_ids)
         hidden = self.hidden(encoder, ids, {"pixel_values": vision["pixel_values"],
                                             "image_grid_thw": grid})
-        return self.rows([hidden], [torch.tensor(tags)])
+        return hidden, torch.tensor(tags)
+
+    def encode_presentation(self, encoder: nn.Module, processor, prompt: PromptBundle,
+                            images: Sequence[torch.Tensor]) -> Condition:
+        hidden, tags = self.presentation(encoder, processor, prompt, images)
+        return self.rows([hidden], [tags])
+
+    media_roles = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)
+
+    def encode_with_media(self, encoders, prompts, media) -> Condition:
+        """Each prompt with its keyframes (first, then last, as the pipeline packs them) in the
+        FL2VA presentation; a prompt without keyframes as `encode` encodes it."""
+        encoder = encoders[QWEN3_VL]
+        names = self.spec.encoder_names
+        hidden, tags = [], []
+        for prompt, item in zip(prompts, media):
+            frames = [item[r] for r in self.media_roles if r in item]
+            if frames:
+                h, t = self.presentation(encoder, self.processor(), prompt, frames)
+            else:
+                h = self.hidden(encoder, prompt.ids_by_encoder(names)[QWEN3_VL])
+                t = torch.full((h.shape[1],), TEXT_TAG)
+            hidden.append(h)
+            tags.append(t)
+        return self.rows(hidden, tags)
 
 
 class MiniMaxH3Family(CheckpointFamily):
@@ -664,7 +696,8 @@ class MiniMaxH3Family(CheckpointFamily):
                 ArtifactSpec("audio", Modality.AUDIO, Representation.DECODED, Layout.CT,
                              sample_rate=self.dims.sample_rate, source="audio_latent")),
                 defaults=("video_latent", "audio_latent", "video", "audio")),
-            tasks={Task.T2VA: ()},
+            tasks={Task.T2VA: (), Task.I2VA: (MediaRole.FIRST_FRAME,),
+                   Task.FL2VA: (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)},
             time_convention=TimeConvention.DATA_PROGRESS, model_time_scale=1.0,
             guidance=GuidanceRule(GuidanceKind.NONE, source="minimax_h3/denoise.py:54-57"),
             transformers=("transformer",),

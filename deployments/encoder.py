@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from adapters.registry import get_family
-from contract import (Condition, ConfigError, InvalidRequestError, PromptBundle,
+from contract import (Condition, ConfigError, InvalidRequestError, MediaRole, PromptBundle,
                       ReplicaFailedError, RolloutError)
 from deployments.encoding import (PromptEmbeddingCache, encode_cached, encode_prompts,
                                   encoder_version, load_encoders)
@@ -139,9 +139,16 @@ class TextEncoderServer:
         self.worker_info = ray.get([w.ready.remote() for w in self.workers])
 
     # ---- requests ---------------------------------------------------------------------
-    async def encode(self, prompts: Sequence[PromptBundle]) -> Condition:
-        """Encode the prompts' token ids exactly as given; `token_ids` records them."""
+    async def encode(self, prompts: Sequence[PromptBundle],
+                     media: Sequence[Mapping[MediaRole, torch.Tensor]] | None = None
+                     ) -> Condition:
+        """Encode the prompts' token ids exactly as given; `token_ids` records them. `media`:
+        one mapping per prompt of the condition media the family's conditioner reads itself
+        (`Conditioner.media_roles`: MiniMax-H3's keyframes), encoded with the prompt and not
+        cached (the encoding depends on the pixels)."""
         prompts = self._check(prompts)
+        if media is not None:
+            return await self._encode_uncached(prompts, self._check_media(prompts, media))
         before = (self.cache.hits, self.cache.misses)
         cond = await encode_cached(self.family, self.cache, self.version, prompts,
                                    self._encode_uncached)
@@ -150,16 +157,37 @@ class TextEncoderServer:
                                       self.cache.nbytes)
         return cond
 
-    async def _encode_uncached(self, prompts: list[PromptBundle]) -> Condition:
+    async def _encode_uncached(self, prompts: list[PromptBundle], media=None) -> Condition:
         if self.metrics is None:
-            return await self._run_encoders(prompts)
+            return await self._run_encoders(prompts, media)
         with self.metrics.track(len(prompts)):
-            return await self._run_encoders(prompts)
+            return await self._run_encoders(prompts, media)
 
-    async def _run_encoders(self, prompts: list[PromptBundle]) -> Condition:
+    async def _run_encoders(self, prompts: list[PromptBundle], media=None) -> Condition:
         if self.etp == 1:
-            return encode_prompts(self.family, self.encoders, prompts)
-        return (await self._on_all_ranks("encode", prompts))[0]
+            return encode_prompts(self.family, self.encoders, prompts, media)
+        return (await self._on_all_ranks("encode", prompts, media))[0]
+
+    def _check_media(self, prompts: list[PromptBundle], media) -> list[dict]:
+        """One mapping per prompt, of roles the conditioner reads, uint8 tensors: else typed."""
+        roles = self.family.conditioner.media_roles
+        if not isinstance(media, (list, tuple)) or len(media) != len(prompts):
+            raise InvalidRequestError("encode takes one condition-media mapping per prompt",
+                                      field="media", expected=len(prompts),
+                                      actual=len(media) if isinstance(media, (list, tuple))
+                                      else type(media).__name__)
+        out = []
+        for i, item in enumerate(media):
+            if not isinstance(item, Mapping) or any(r not in roles for r in item) or not all(
+                    isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in item.values()):
+                raise InvalidRequestError("condition media the text encoders read: uint8 tensors "
+                                          "by role", field=f"media[{i}]",
+                                          expected=[r.value for r in roles],
+                                          actual=sorted(str(getattr(r, "value", r))
+                                                        for r in item) if isinstance(item, Mapping)
+                                          else type(item).__name__)
+            out.append(dict(item))
+        return out
 
     async def cache_stats(self) -> dict[str, int | str]:
         """The prompt-embedding cache's hits, misses, evictions, entries and bytes (of its

@@ -35,10 +35,14 @@ def place_inputs_on(encoder: nn.Module, device: torch.device) -> nn.Module:
     return encoder
 
 
-def encode_prompts(family: ModelFamily, encoders, prompts: Sequence[PromptBundle]) -> Condition:
+def encode_prompts(family: ModelFamily, encoders, prompts: Sequence[PromptBundle],
+                   media: Sequence[Mapping] | None = None) -> Condition:
     """The conditioner on the ids exactly as given; `token_ids` records, per prompt, the ids of
-    every encoder (what the trainer's token check compares)."""
-    cond = family.conditioner.encode(encoders, prompts).to("cpu")
+    every encoder (what the trainer's token check compares). `media`: per prompt, the condition
+    media the conditioner reads itself (Conditioner.media_roles)."""
+    conditioner = family.conditioner
+    cond = (conditioner.encode(encoders, prompts) if media is None
+            else conditioner.encode_with_media(encoders, prompts, media)).to("cpu")
     names = family.spec.encoder_names
     return Condition(cond.tensors, tuple(p.ids_by_encoder(names) for p in prompts))
 

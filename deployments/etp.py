@@ -240,8 +240,8 @@ class ShardWorker:
                 "total": own.total, "full_sharded": self.full_bytes.sharded,
                 "full_total": self.full_bytes.total}
 
-    def encode(self, prompts: Sequence[PromptBundle]):
-        cond = encode_prompts(self.family, self.encoders, prompts)
+    def encode(self, prompts: Sequence[PromptBundle], media=None):
+        cond = encode_prompts(self.family, self.encoders, prompts, media)
         return cond if self.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -233,6 +233,13 @@ class RolloutGraph(HTTPFront):
                        request_id=request_id)        # raises ScorerFailedError: it is required
         raise ScorerFailedError(reason, field=f"rewards.{name}", request_id=request_id)
 
+    def _encoder_media(self, media: dict) -> list[dict] | None:
+        """The request's condition media its family's text encoders read (MiniMax-H3 shows its
+        keyframes to the Qwen3-VL conditioner), as the encoder stage takes them; else None."""
+        roles = self.family.conditioner.media_roles
+        picked = {role: data for role, data in media.items() if role in roles}
+        return [picked] if picked else None
+
     async def _one(self, request: RolloutRequest, requested: tuple[str, ...], media: dict,
                    preview: bool, check_s: float = 0.0) -> GraphResult:
         """One request through the stages. Its metrics add the ingress's wall seconds per hop
@@ -240,7 +247,8 @@ class RolloutGraph(HTTPFront):
         stages' own compute seconds, so the graph's fixed cost per request is their difference."""
         rid = request.request_id
         t_start = time.perf_counter()
-        cond = await self._taken("encoder", self.encoder.encode.remote([request.prompt]), rid)
+        cond = await self._taken("encoder", self.encoder.encode.remote(
+            [request.prompt], self._encoder_media(media)), rid)
         negative = None
         if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
             uncond = self.family.conditioner.unconditional(request.prompt)

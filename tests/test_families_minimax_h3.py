@@ -209,10 +209,48 @@ def test_keyframe_roles_and_counts(setup):
     rows = mc.inputs[KEYFRAME_ROWS]
     assert rows.shape == (2, 2 * 2, 8 * 4)        # per row seed: 2 keyframes x 2 rows each
     assert not torch.equal(rows[0], rows[1])      # each row's own noise draw
-    with pytest.raises(InvalidRequestError) as err:   # the graph does not serve fl2va yet
+    served = family.validate_request(request(family, media=list(KEYFRAMES.items())),
+                                     RequestLimits())
+    assert set(served) == set(KEYFRAMES)                  # fl2va: both keyframes
+    with pytest.raises(InvalidRequestError) as err:       # fl2va takes both; first alone is i2va
         family.validate_request(request(family, media=[(MediaRole.FIRST_FRAME, FIRST)]),
                                 RequestLimits())
-    assert err.value.field == "task"
+    assert err.value.field == "media"
+    with pytest.raises(MediaFormatError) as err:          # a keyframe off the canvas: refused
+        family.validate_request(request(family, media=[
+            (MediaRole.FIRST_FRAME, FIRST), (MediaRole.LAST_FRAME, LAST[:, :, :32])]),
+            RequestLimits())
+    assert err.value.field == "media.last_frame"
+
+
+def test_the_encoder_stage_encodes_keyframes_with_the_prompt(setup, minimax_root):
+    """The TextEncoder stage (in process, etp 1) given a request's keyframes returns the FL2VA
+    presentation the pipeline encodes (equal to the conditioner's), uncached; without them the
+    text; media it does not read, or not one mapping per prompt, is a typed error."""
+    import asyncio
+
+    from deployments.encoder import TextEncoderServer
+    family, models, processor = setup[0], setup[1], setup[2]
+    server = TextEncoderServer("minimax_h3", str(minimax_root), etp=1,
+                               prompt_cache_bytes=2 ** 20)
+    bundles = family.conditioner.tokenize([PROMPT, "a small dog sings"])
+    got = asyncio.run(server.encode(bundles, [dict(KEYFRAMES), {}]))
+    first = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
+                                                   bundles[0], [FIRST, LAST])
+    text = family.conditioner.encode(models.encoders, bundles[1:])
+    n0, n1 = int(got["text_length"][0]), int(got["text_length"][1])
+    assert torch.equal(got["prompt_embeds"][0, :n0], first["prompt_embeds"][0])
+    assert torch.equal(got["text_tags"][0, :n0], first["text_tags"][0])
+    assert torch.equal(got["prompt_embeds"][1, :n1], text["prompt_embeds"][0])
+    assert server.cache.stats()["entries"] == 0            # keyframe encodings are not cached
+    plain = asyncio.run(server.encode(bundles[1:]))
+    assert torch.equal(plain["prompt_embeds"], text["prompt_embeds"])
+    for media, field in (([{MediaRole.REFERENCE: FIRST}, {}], "media[0]"),
+                         ([{MediaRole.FIRST_FRAME: FIRST.float()}, {}], "media[0]"),
+                         ([dict(KEYFRAMES)], "media")):
+        with pytest.raises(InvalidRequestError) as err:
+            asyncio.run(server.encode(bundles, media))
+        assert err.value.field == field
 
 
 # ---- ref2va: ordered image references, the transformer_ref partition ---------------------------
