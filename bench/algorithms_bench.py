@@ -7,7 +7,10 @@ the learner with its LoRA, the image verifier; no Ray).
 
 Each algorithm trains `steps` optimizer steps on two prompts whose colour the base model mostly
 misses, `group` samples per prompt per step (its own sampler: NFT / DPO / AWM sample ODE,
-FlowGRPO and its variants SDE), from the same base adapter and run seed. The held-out reward is
+FlowGRPO and its variants SDE; MixGRPO-Flash DPM-Solver++(2M) on a compressed table after its
+window; BranchGRPO / TreeGRPO fork group / 4 roots twice into 4 leaves each, sharing their
+prefix), from the same base adapter and run seed. forwards_per_sample: the rows the engine runs
+over the steps, per final sample (6 for an unbranched 6-step rollout). The held-out reward is
 the mean image-verifier score of fixed held-out seeds sampled deterministically (ODE, the same
 steps for every algorithm) with the trained adapter, every `eval_every` steps; wall time counts
 rollouts and updates, not evaluations. The machine's load average is recorded: on a shared
@@ -31,20 +34,21 @@ from contract import Algorithm, MediaArtifact, RewardReport, RolloutOutput, Samp
 from rewards.base import ScoreRequest
 from rewards.verifiers.image import ImageAttributeScorer
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import EngineRequest
+from rollout.engine_api import EngineRequest, Fork
+from diffusion.windows import flash_post_points, sliding_sde_window
 from trainer.algorithms.nft import old_decay
 from trainer.config import SamplerSettings, load_trainer_config
 from trainer.learner import Learner
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from trainer.prompts import make_requests
 from trainer.rollout_batch import build_batch
-from trainer.updates import UPDATES
+from trainer.updates import UPDATES, plan_tree_update, run_update, tree_node_ids
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = ("a blue triangle at the top right on a white background",
            "a yellow triangle at the bottom left on a black background")
 HELD_OUT_SEED = 10_000
-NUM_STEPS = 4
+NUM_STEPS = 6
 
 COMMON = {"prompts_per_step": len(PROMPTS), "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
           "lora": {"rank": 8, "alpha": 16}}
@@ -60,21 +64,50 @@ RECIPES = {
                    "flow_grpo": {**GRPO, "ratio": "grpo_guard"}},
     "mixgrpo": {"algorithm": "flow_grpo", "flow_grpo": GRPO, "sampler": {
         **SDE, "sliding_window": {"size": 1, "shift_every": 4, "roll_back": True}}},
+    "mixgrpo_flash": {"algorithm": "flow_grpo", "flow_grpo": GRPO, "sampler": {
+        **SDE, "flash_compress": 0.5,
+        "sliding_window": {"size": 1, "shift_every": 4, "roll_back": True}}},
+    "branch_grpo": {"algorithm": "flow_grpo", "sampler": {**SDE, "window": [0, 5]},
+                    "flow_grpo": {**GRPO, "tree_advantage": "branch_depthwise"}},
+    "tree_grpo": {"algorithm": "flow_grpo", "sampler": {**SDE, "window": [0, 5]},
+                  "flow_grpo": {**GRPO, "tree_advantage": "tree_backprop"}},
     "dpo": {"algorithm": "dpo", "sampler": ODE, "dpo": {"beta": 100.0, "draws_per_pair": 2}},
     "awm": {"algorithm": "awm", "sampler": ODE,
             "awm": {"clip_range": 0.2, "train_timesteps": 3}},
 }
 
 
+# branched rollouts: each prompt's group is roots x 2 x 2 leaves, forked at steps 2 and 3
+FORKS = {"branch_grpo": (Fork(2, 2), Fork(3, 2)), "tree_grpo": (Fork(2, 2), Fork(3, 2))}
+
+
+def forwards_per_sample(forks: tuple[Fork, ...], roots: int, num_steps: int) -> float:
+    """Rows the engine runs per step (a fork's children from its step on), per final sample."""
+    rows, total = roots, 0
+    by_step = {f.step: f.children for f in forks}
+    for j in range(num_steps):
+        rows *= by_step.get(j, 1)
+        total += rows
+    return total / rows
+
+
 class Run:
     """One algorithm from the base model: rollouts of its sampling adapter (NFT: the old one)
     on the embedded engine, decoded and scored by the image verifier, one update per batch."""
 
-    def __init__(self, base, recipe: dict, steps: int, group: int, seed: int):
+    def __init__(self, base, recipe: dict, steps: int, group: int, seed: int,
+                 forks: tuple[Fork, ...] = ()):
         self.family, transformers, encoders, self.decoder = base
+        self.forks = forks
+        leaves = 1
+        for f in forks:
+            leaves *= f.children
+        if group % leaves:
+            raise ValueError(f"--group {group} is not a multiple of the {leaves} leaves per root")
+        roots = group // leaves
         self.cfg = load_trainer_config({**COMMON, **recipe, "steps": steps,
-                                        "samples_per_prompt": group, "seed": seed})
-        self.group, self.seed = group, seed
+                                        "samples_per_prompt": max(roots, 2), "seed": seed})
+        self.group, self.roots, self.seed = group, roots, seed
         self.engine = EmbeddedEngine(self.family, copy.deepcopy(transformers), {})
         torch.manual_seed(seed)               # the LoRA's initial A matrices
         self.learner = Learner(self.family, copy.deepcopy(transformers), encoders, self.cfg.lora,
@@ -92,22 +125,22 @@ class Run:
         return name
 
     def rollout(self, version: str, settings: SamplerSettings, group: int, seed: int,
-                step: int = 0):
+                step: int = 0, forks: tuple[Fork, ...] = ()):
         requests = make_requests(self.family, self.bundles, settings, group, seed, version,
                                  step=step)
 
         async def generate():
             return [await self.engine.generate(EngineRequest(
-                r, self.learner.encode([b]), None, ("image_latent",), {}, version))
+                r, self.learner.encode([b]), None, ("image_latent",), {}, version, forks))
                 for r, b in zip(requests, self.bundles)]
         results = asyncio.run(generate())
         rewards = []
         for request, result, prompt in zip(requests, results, PROMPTS):
-            pixels = self.family.codec.decode("image_latent", self.decoder,
-                                              result.latents["image_latent"].data,
+            latent = result.latents["image_latent"].data
+            pixels = self.family.codec.decode("image_latent", self.decoder, latent,
                                               request.sampling)
             scored = self.scorer.score(ScoreRequest({"image": MediaArtifact(self.image, pixels)},
-                                                    (prompt,) * group))
+                                                    (prompt,) * latent.shape[0]))
             rewards.append(scored.scores[self.scorer.primary])
         return requests, results, rewards
 
@@ -126,15 +159,22 @@ class Run:
         for step in range(cfg.steps):
             start = time.perf_counter()
             version = sampling if nft else self.publish(TRAIN_ADAPTER)
-            requests, results, rewards = self.rollout(version, cfg.sampler, self.group,
-                                                      self.seed * 100_000 + step * 100, step)
+            requests, results, rewards = self.rollout(
+                version, cfg.sampler, self.roots if self.forks else self.group,
+                self.seed * 100_000 + step * 100, step, self.forks)
             outputs = [RolloutOutput(r.request_id, dict(e.latents), e.trajectory,
-                                     e.policy_version, r.sampling.seeds,
+                                     e.policy_version, r.sampling.seeds if e.tree is None else
+                                     tuple(e.tree.seeds[n] for n in e.tree.leaves),
                                      rewards=RewardReport({}, tuple(rw), {}))
                        for r, e, rw in zip(requests, results, rewards)]
             batch = build_batch(self.learner, self.bundles, outputs,
                                 [r.sampling for r in requests])
-            UPDATES[cfg.algorithm](self.learner, batch, cfg, generator)
+            if self.forks:
+                node_of = tree_node_ids([e.tree for e in results],
+                                        [len(rw) for rw in rewards], cfg.sampler.num_steps)
+                run_update(self.learner, plan_tree_update(batch, cfg, generator, node_of), cfg)
+            else:
+                UPDATES[cfg.algorithm](self.learner, batch, cfg, generator)
             if nft and (step + 1) % cfg.nft.old_refresh_every == 0:
                 self.learner.refresh_old(old_decay(step + 1, cfg.nft.decay))
                 sampling = self.publish(OLD_ADAPTER)
@@ -197,9 +237,27 @@ def main() -> None:
             "cpus": os.cpu_count(), "platform": platform.platform(),
             "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg(),
             "algorithms": {}}
+    data["forwards_per_sample"] = {}
     for name in args.only:
+        forks = FORKS.get(name, ())
+        leaves = 1
+        for f in forks:
+            leaves *= f.children
+        if name == "mixgrpo_flash":       # the compressed table of each step's window
+            c = RECIPES[name]["sampler"]
+            w = c["sliding_window"]
+            ends = [sliding_sde_window(k, c["num_steps"], w["size"], w["shift_every"],
+                                       roll_back=w["roll_back"])[1] for k in range(args.steps)]
+            data["forwards_per_sample"][name] = sum(
+                e + flash_post_points(c["num_steps"], e, c["flash_compress"]) - 1
+                for e in ends) / len(ends)
+        else:
+            data["forwards_per_sample"][name] = forwards_per_sample(
+                forks, args.group // leaves, NUM_STEPS)
+        if forks:
+            data.setdefault("forks", {})[name] = [[f.step, f.children] for f in forks]
         for seed in args.seeds:
-            run = Run(base, RECIPES[name], args.steps, args.group, seed)
+            run = Run(base, RECIPES[name], args.steps, args.group, seed, FORKS.get(name, ()))
             try:
                 curve = run.train(args.eval_every, args.eval_group)
             finally:
