@@ -182,14 +182,16 @@ def param_bytes(encoders: dict[str, nn.Module], family: ModelFamily) -> ParamByt
     seen: dict[int, tuple[int, bool]] = {}
     for name, module in encoders.items():
         plan = family.spec.encoder(name).etp
-        split = () if plan is None else tuple(
-            ([plan.vocab] if plan.vocab else []) + list(plan.column) + list(plan.row))
+        split = () if plan is None else tuple(list(plan.column) + list(plan.row))
         for pname, p in module.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p.data
             storage = local.untyped_storage()
             owner = pname.rsplit(".", 1)[0]
-            is_split = bool(split) and owner.endswith(split) and (
-                pname.endswith(".weight") or (plan is not None and owner.endswith(plan.column)))
+            # a module of the plan's layer list (not another tower's of the same name, e.g.
+            # Qwen2.5-VL's vision blocks' mlp.gate_proj), or the vocab embedding
+            in_plan = plan is not None and (owner == plan.vocab or (
+                owner.startswith(f"{plan.layers}.") and owner.endswith(split)))
+            is_split = in_plan and (pname.endswith(".weight") or owner.endswith(plan.column))
             seen[storage.data_ptr()] = (storage.nbytes(), is_split)
     return ParamBytes(sharded=sum(n for n, s in seen.values() if s),
                       replicated=sum(n for n, s in seen.values() if not s))
