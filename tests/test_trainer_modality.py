@@ -139,3 +139,22 @@ def test_per_modality_nft_step_on_tiny_t2va_trains_each_stream_with_its_own_adva
         assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_ltx2_streams_partition_its_joint_state(tiny_checkpoint):
+    """On LTX-2's packed audio-video state (tiny checkpoint) the stream masks from its codec's
+    split cover every entry once: video tokens and audio tokens, disjoint."""
+    from adapters.registry import get_family
+    from contract import SamplingSpec
+    family = get_family("ltx2", tiny_checkpoint("ltx2"), {"max_sequence_length": 16,
+                                                          "frame_rate": 25.0, "image_crf": 0})
+    sampling = SamplingSpec(seeds=(0,), height=64, width=96, num_frames=9)
+    state = family.codec.state_shape(sampling)
+    numel = int(torch.tensor(state).prod())
+    parts = family.codec.split_state(torch.arange(numel, dtype=torch.float64).reshape(1, *state),
+                                     sampling)
+    masks = stream_masks(parts, state, ["video_latent", "audio_latent"])
+    video, audio = masks["video_latent"], masks["audio_latent"]
+    assert int(video.sum()) == parts["video_latent"].numel() > 0
+    assert int(audio.sum()) == parts["audio_latent"].numel() > 0
+    assert not bool((video & audio).any()) and bool((video | audio).all())
