@@ -1,6 +1,8 @@
 """A tiny random MiniMax-H3 checkpoint in the published modular layout (diffusers 0.42.1).
 
     python -m scripts.tiny_minimax_h3 --out DIR          # -> DIR/minimax_h3
+    python -m scripts.tiny_minimax_h3 --fl2va-prompts configs/prompts/minimax_h3
+        # the tiny recipe's FL2VA prompt files (keyframes from synthetic clips)
 
 Components, each saved by its own `save_pretrained` in its subfolder: `text_encoder`
 (Qwen3VLForConditionalGeneration with 51 text layers, since the pipeline reads hidden_states[50]
@@ -173,10 +175,44 @@ def build(root: Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fl2va-prompts", type=Path, help="write the FL2VA prompt files here")
     args = parser.parse_args(argv)
-    print(build(args.out, args.seed))
+    if args.fl2va_prompts is not None:
+        print(write_fl2va_prompts(args.fl2va_prompts, "fl2va_train", 6, seed=1))
+        print(write_fl2va_prompts(args.fl2va_prompts, "fl2va_test", 2, seed=2))
+    if args.out is not None:
+        print(build(args.out, args.seed))
+
+
+
+def write_fl2va_prompts(folder: Path, name: str, count: int, seed: int) -> Path:
+    """folder/<name>.jsonl: `count` synthetic bouncing-square clips (synthetic/clips.py) as
+    FL2VA prompts, their first and last frames as keyframes (frames/<name>_<i>_{first,last}.png):
+    each 32 x 32 render placed on the 32 x 64 canvas the tiny recipe samples (the rest is the
+    clip's background; nothing is resized)."""
+    from PIL import Image
+
+    from synthetic import clips
+
+    frames = folder / "frames"
+    frames.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, spec in enumerate(clips.sample_specs(count, seed)):
+        video = clips.render(spec).video                        # (T, 3, 32, 32) uint8
+        record = {"prompt": clips.caption(spec)}
+        for role, frame in (("first_frame", video[0]), ("last_frame", video[-1])):
+            canvas = torch.tensor(clips.BACKGROUND, dtype=torch.uint8).view(3, 1, 1).repeat(
+                1, clips.SIZE, 2 * clips.SIZE)
+            canvas[:, :, :clips.SIZE] = torch.from_numpy(frame)
+            path = frames / f"{name}_{i}_{role.split('_')[0]}.png"
+            Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(path)
+            record[role] = f"frames/{path.name}"
+        lines.append(json.dumps(record))
+    out = folder / f"{name}.jsonl"
+    out.write_text("\n".join(lines) + "\n")
+    return out
 
 
 if __name__ == "__main__":

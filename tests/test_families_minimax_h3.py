@@ -420,7 +420,10 @@ def test_tiny_recipe_trains_two_nft_steps_through_the_engine_and_learner(setup, 
     from trainer.updates import UPDATES
 
     family, models = setup[0], setup[1]
-    cfg = load_trainer_config(TINY_RECIPE, {"graph.rollout.weights_path": str(minimax_root)})
+    # t2va in process: an in-process learner re-encodes text only (a keyframe row refuses that);
+    # fl2va trains through the graph, whose encoder stage shows the keyframes to the conditioner
+    cfg = load_trainer_config(TINY_RECIPE, {"graph.rollout.weights_path": str(minimax_root),
+                                            "task": "t2va"})
     engine = EmbeddedEngine(family, copy.deepcopy(models.transformers), models.media)
     learner = Learner(family, copy.deepcopy(models.transformers), models.encoders, cfg.lora,
                       cfg.optimizer)
@@ -492,3 +495,27 @@ class TestMiniMaxH3Checks(FamilyChecks):
     @pytest.fixture(scope="class")
     def root(self, minimax_root):
         return minimax_root
+
+
+def test_tiny_fl2va_recipe_trains_through_the_cli(ray_cluster, minimax_root, tmp_path):
+    """configs/train_minimax_h3_tiny.yaml as a user runs it against the tiny graph: FL2VA with
+    keyframes from its prompt files, two DiffusionNFT steps, AV-sync rewards."""
+    import json
+
+    from ray import serve
+
+    from graph import build_app, delete_graph
+    from trainer.__main__ import main, parse_overrides
+    from trainer.config import load_trainer_config
+    sets = [f"graph.rollout.weights_path={minimax_root}", "steps=2", f"run_dir={tmp_path}",
+            "eval.every=2", "checkpoint_every=2", "gallery=false"]
+    graph = load_trainer_config(TINY_RECIPE, parse_overrides(sets)).graph_config()
+    serve.run(build_app(graph), name=graph.app_name, route_prefix=None)
+    try:
+        main(["--config", TINY_RECIPE, *[a for item in sets for a in ("--set", item)]])
+    finally:
+        delete_graph(graph)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rows"] == 4 for r in steps)
