@@ -1,4 +1,5 @@
-"""MiniMax-H3 (diffusers 0.42.1 modular pipeline, modular_pipelines/minimax_h3/): T2VA, FL2VA.
+"""MiniMax-H3 (diffusers 0.42.1 modular pipeline, modular_pipelines/minimax_h3/): T2VA, I2VA / FL2VA
+(keyframes), ref2va with ordered image references (family level: no contract task yet).
 
 One packed sequence per request, `[text | keyframe rows | audio rows | video rows]`, one
 transformer forward per step for both streams, guidance-distilled (no CFG, no negative prompt:
@@ -27,7 +28,9 @@ FL2VA: each keyframe (first and / or last) is encoded as the pipeline encodes it
 round trip, normalised), noised to t = 0.999 with noise the row's own seed draws first (the
 pipeline's generator order), and rides in front of the generated rows as a model input (never
 written: the loop writes the generated rows only). The keyframes' vision blocks in the
-Qwen3-VL presentation are the conditioner's (`Qwen3VLConditioner.encode_presentation`).
+Qwen3-VL presentation are the conditioner's (`Qwen3VLConditioner.encode_with_media`, which the
+encoder stage runs with the prompt: `media_roles`). ref2va: image references at the size the
+pipeline encodes them, the same recipe in request order, on the `transformer_ref` partition.
 """
 from __future__ import annotations
 
