@@ -285,7 +285,7 @@ class EmbeddedEngine:
                 index = torch.tensor([before.index(tree.parents[n]) for n in after],
                                      dtype=torch.long, device=self.device)
                 forks[fork.step] = RowFork(index, tuple(tree.seeds[n] for n in after))
-        noise = step_noise(sampling, sigmas.shape[0] - 1, shape, tree, self.device)
+        noise = step_noise(sampling, sigmas.shape[0] - 1, shape, tree)          # host memory
         recorder = SampleRecorder(sampling, sigmas.to(self.device), frozen, rid, noise)
         return RequestState(request, future, key, recorder, times.to(self.device), x, cond,
                             negative, inputs, enqueued, next(self._order), forks, tree)
@@ -530,15 +530,16 @@ def _stochastic(sampling: SamplingSpec, step: int) -> bool:
 
 
 def step_noise(sampling: SamplingSpec, num_steps: int, shape: tuple[int, ...],
-               tree: RolloutTree | None, device: torch.device) -> dict[int, torch.Tensor]:
-    """The noise of every stochastic step of a request, (rows at the step, *S) each, drawn once
-    from the seeds of the rows (a fork's children: their own seeds) alive at that step."""
+               tree: RolloutTree | None) -> dict[int, torch.Tensor]:
+    """The noise of every stochastic step of a request, (rows at the step, *S) fp32 each on the
+    host (rows x window x state: moved to the device at its step), drawn once from the seeds of
+    the rows (a fork's children: their own seeds) alive at that step."""
     out = {}
     for j in range(num_steps):
         if _stochastic(sampling, j):
             seeds = sampling.seeds if tree is None else \
                 tuple(tree.seeds[n] for n in tree.alive_at(j))
-            out[j] = row_noise(seeds, j, shape).to(device, torch.float32)
+            out[j] = row_noise(seeds, j, shape)
     return out
 
 

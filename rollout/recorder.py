@@ -73,7 +73,8 @@ class SampleRecorder:
                  frozen: FrozenLatents | None = None, request_id: str | None = None,
                  noise: Mapping[int, torch.Tensor] | None = None):
         """noise: step -> (rows at that step, *S) fp32 noise of every stochastic step, drawn
-        ahead; None = drawn per step from the rows' seeds."""
+        ahead (held where the caller put it, moved to x's device at its step); None = drawn
+        per step from the rows' seeds."""
         self.request_id = request_id
         self.sampling = sampling
         self.seeds = tuple(sampling.seeds)         # per current row
@@ -114,7 +115,7 @@ class SampleRecorder:
     def step_noise(self, rows: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """(rows, *S) fp32 noise of the current (stochastic) step."""
         if self.noise is not None:
-            return self.noise[self.step]
+            return self.noise[self.step].to(device)
         return row_noise(self.seeds, self.step, shape).to(device, torch.float32)
 
     def sigmas_now(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +144,7 @@ class SampleRecorder:
         sigma, sigma_next = self.sigmas_now(x.shape[0])
         noise = None
         if kind not in DETERMINISTIC:
-            noise = self.noise[j] if self.noise is not None else \
+            noise = self.noise[j].to(x.device) if self.noise is not None else \
                 row_noise(seeds, j, tuple(x.shape[1:])).to(x.device, torch.float32)
         out = transition(kind, x, v, sigma, sigma_next, self.sampling.noise_level, noise,
                          frozen=frozen, history=history if kind in MULTISTEP else None)
