@@ -97,6 +97,7 @@ REGISTRY_TABLE = "_DIFFUSION_MODELS"
 SERVED_ARCHITECTURES: tuple[str, ...] = (
     "StableDiffusion3Pipeline", "FluxPipeline", "WanPipeline", "WanImageToVideoPipeline",
     "LTX2Pipeline",
+    "FluxKontextPipeline",     # the FLUX family's folders saved by it (edit)
     "QwenImagePipeline")       # vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image
 
 
