@@ -114,6 +114,28 @@ def test_packed_forwards_equal_a_plain_loop_over_the_same_rows_bitwise(t2i):
     assert all(r.metrics["batch_rows_min"] == 6 for r in results)      # one forward per step
 
 
+def test_the_batch_tensors_persist_across_steps_and_change_only_when_rows_leave(t2i,
+                                                                              monkeypatch):
+    """Every forward reads the same state tensor while the same rows run (written in place);
+    a new one only when a request finishes and its rows leave."""
+    import rollout.engine as engine_module
+    seen = []
+    forward = engine_module.predict_velocity
+
+    def spy(denoiser, models, x, *args, **kwargs):
+        seen.append((x.data_ptr(), x.shape[0]))
+        return forward(denoiser, models, x, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "predict_velocity", spy)
+    engine = _engine(t2i)
+    try:
+        _together(engine, [_req(t2i, 0, (1, 2), steps=6), _req(t2i, 1, (3,), steps=4)])
+    finally:
+        _shutdown(engine)
+    assert [rows for _, rows in seen] == [3] * 4 + [2] * 2
+    assert len({ptr for ptr, _ in seen[:4]}) == 1 and len({ptr for ptr, _ in seen[4:]}) == 1
+
+
 def test_outputs_within_1e5_across_arrival_orders_and_batch_compositions(t2i):
     """Per-row noise and per-row sigma: a request's samples do not depend on which requests
     share its forwards, in which order, or at which of their steps."""
