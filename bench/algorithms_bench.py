@@ -2,7 +2,7 @@
 tiny_t2i against wall time and against samples, in one process (the embedded rollout engine,
 the learner with its LoRA, the image verifier; no Ray).
 
-    python -m bench.algorithms_bench [--steps 8] [--eval-every 4] [--seeds 0 1 2]
+    python -m bench.algorithms_bench [--steps 6] [--group 8] [--eval-every 3] [--seeds 0 1 2]
 -> bench/results/algorithms.json + bench/results/algorithms.png
 
 Each algorithm trains `steps` optimizer steps on two prompts whose colour the base model mostly
@@ -216,9 +216,9 @@ def plot(data: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--eval-group", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", choices=sorted(RECIPES), default=sorted(RECIPES))
@@ -262,7 +262,8 @@ def main() -> None:
                 curve = run.train(args.eval_every, args.eval_group)
             finally:
                 run.close()
-            data["algorithms"].setdefault(name, []).append({"seed": seed, "curve": curve})
+            data["algorithms"].setdefault(name, []).append(
+                {"seed": seed, "curve": curve, "load_avg_after": os.getloadavg()})
             print(name, seed, [round(p["reward"], 3) for p in curve],
                   f"{curve[-1]['wall_s']:.1f} s", flush=True)
     data["load_avg_end"] = os.getloadavg()
