@@ -70,6 +70,8 @@ class EmbeddedEngine:
     media_modules: the components that encode condition media (a VAE), empty if none.
     """
 
+    supports_forks = True                 # tree / branch rollouts (EngineRequest.forks)
+
     def __init__(self, family: ModelFamily, models: Mapping[str, torch.nn.Module],
                  media_modules: Mapping[str, torch.nn.Module] | None = None,
                  limits: EngineLimits | None = None, device: str = "cpu",

@@ -14,11 +14,11 @@ import torch
 
 from adapters.family import ModelFamily
 from adapters.registry import get_family
-from contract import (Condition, ConfigError, MediaRole, Representation, RequestLimits,
-                      RolloutOutput, RolloutRequest, check_requested_artifacts)
+from contract import (Condition, ConfigError, InvalidRequestError, MediaRole, Representation,
+                      RequestLimits, RolloutOutput, RolloutRequest, check_requested_artifacts)
 from rollout.config import EngineKind, RolloutConfig, StrategyKind
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import DiffusionEngine, EngineRequest
+from rollout.engine_api import DiffusionEngine, EngineRequest, Fork
 
 
 def _build_embedded(config: RolloutConfig, family: ModelFamily) -> DiffusionEngine:
@@ -84,7 +84,11 @@ class DiffusionStrategy:
         return self.family.validate_request(request, self.limits)
 
     def lower(self, request: RolloutRequest, cond: Condition,
-              negative: Condition | None) -> EngineRequest:
+              negative: Condition | None, forks: tuple[Fork, ...] = ()) -> EngineRequest:
+        if forks and not getattr(self.engine, "supports_forks", False):
+            raise InvalidRequestError("this engine runs no tree rollouts", field="forks",
+                                      expected=(), actual=len(forks),
+                                      request_id=request.request_id)
         media = self.validate(request)
         # the scale the rows run at (the family's guidance rule), as the trajectory records it
         request = dataclasses.replace(request,
@@ -92,7 +96,8 @@ class DiffusionStrategy:
         _, latent_names = self.resolve_artifacts(request)
         version = request.policy_version or self._latest_version()
         return EngineRequest(request=request, cond=cond, negative=negative,
-                             latent_artifacts=latent_names, media=media, policy_version=version)
+                             latent_artifacts=latent_names, media=media, policy_version=version,
+                             forks=forks)
 
     def _latest_version(self) -> str:
         latest = getattr(self.engine, "latest_version", None)
@@ -100,10 +105,12 @@ class DiffusionStrategy:
 
     # ---- run ----------------------------------------------------------------------------
     async def generate(self, request: RolloutRequest, cond: Condition,
-                       negative: Condition | None = None) -> RolloutOutput:
+                       negative: Condition | None = None,
+                       forks: tuple[Fork, ...] = ()) -> RolloutOutput:
         """cond / negative: the prompt's (and, under CFG, the unconditional) condition from
-        the encoder stage, one row each."""
-        engine_request = self.lower(request, cond, negative)
+        the encoder stage, one row each. forks: a tree rollout (EngineRequest.forks); the
+        output's rows are its leaves, `metadata["tree"]` its RolloutTree."""
+        engine_request = self.lower(request, cond, negative, forks)
         result = await self.engine.generate(engine_request)
         names, latent_names = self.resolve_artifacts(request)
         io_spec = self.family.io_spec
@@ -112,10 +119,11 @@ class DiffusionStrategy:
         return RolloutOutput(
             request_id=request.request_id, artifacts=dict(result.latents),
             trajectory=result.trajectory, policy_version=result.policy_version,
-            seeds=request.sampling.seeds, stop_reason=result.stop_reason,
+            seeds=result.trajectory.seeds if result.tree else request.sampling.seeds,
+            stop_reason=result.stop_reason,
             metrics=dict(result.metrics),
             metadata={"requested_artifacts": names, "latent_artifacts": latent_names,
-                      "decode": decode})
+                      "decode": decode, **({"tree": result.tree} if result.tree else {})})
 
 
 STRATEGY_BUILDERS: Mapping[StrategyKind, Callable[[RolloutConfig, RequestLimits], object]] = {

@@ -317,3 +317,22 @@ def test_bad_forks_are_refused_before_any_work(t2i):
         assert not engine._pending_ids()                      # nothing was queued
     finally:
         _shutdown(engine)
+
+
+def test_the_strategy_passes_forks_and_returns_the_leaves_with_their_tree(t2i):
+    from contract import RequestLimits
+    from rollout.config import RolloutConfig
+    from rollout.strategy import DiffusionStrategy
+    family, _, prompts, conds, _ = t2i
+    engine = _engine(t2i)
+    strategy = DiffusionStrategy(RolloutConfig(), family, engine, RequestLimits())
+    request = RolloutRequest(prompt=prompts[0], task=Task.T2I,
+                             sampling=SamplingSpec(num_steps=5, seeds=(4, 5)))
+    try:
+        out = asyncio.run(strategy.generate(request, conds[0], None, (Fork(2, 3),)))
+    finally:
+        _shutdown(engine)
+    tree = out.metadata["tree"]
+    assert out.artifacts["image_latent"].data.shape[0] == 6 == len(tree.leaves)
+    assert out.seeds == out.trajectory.seeds == tuple(tree.seeds[n] for n in tree.leaves)
+    assert [tree.parents[n] for n in tree.leaves] == [0, 0, 0, 1, 1, 1]
