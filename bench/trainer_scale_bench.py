@@ -131,7 +131,7 @@ def _time_updates(update, repeats: int) -> list[float]:
 def run_dp(repeats: int) -> dict:
     import ray
 
-    from trainer.distributed import Colocation, RayTrainLearners, controller_settings
+    from trainer.distributed import Colocation, RayTrainLearners
     from trainer.learner import Learner
     from adapters.registry import get_family
     _env()
@@ -158,10 +158,8 @@ def run_dp(repeats: int) -> dict:
     try:
         for workers in (1, 2):
             cfg = dp_config(ckpt, root / f"w{workers}", workers)
-            mirror = Learner.load(family, cfg.lora, cfg.optimizer, cfg.seed,
-                                  controller_settings(cfg.learner))
             t0 = time.perf_counter()
-            group = RayTrainLearners(cfg, mirror, cfg.graph_config(), root / f"w{workers}",
+            group = RayTrainLearners(cfg, cfg.graph_config(), root / f"w{workers}",
                                      Colocation(None))
             start_s = time.perf_counter() - t0
             gen = torch.Generator().manual_seed(0)

@@ -16,7 +16,8 @@ from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
                              UndeclaredArtifactError,
                              UnexpectedArtifactError, UnscorableInputError,
                              MalformedBodyError)
-from contract.transport import ArtifactHandle, GraphResult, PackedTensors, StageOutput
+from contract.transport import (ArtifactHandle, ConditionHandle, ConditionSignature,
+                                GraphResult, PackedTensors, StageOutput)
 from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, Trajectory
 from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,
                               SamplingSpec, check_limits, check_requested_artifacts,

@@ -84,3 +84,5 @@ class RolloutOutput:
     rewards: RewardReport | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    conditions: Mapping[str, Any] = field(default_factory=dict)   # name -> ConditionHandle
+    # (contract.transport): the encoder stage's outputs, never fetched by the caller

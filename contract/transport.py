@@ -44,6 +44,33 @@ class ArtifactHandle:
 
 
 @dataclass(frozen=True)
+class ConditionSignature:
+    """What a learner checks an encoded prompt against before it trains on it: the encoders'
+    version (`<family>/<dtype>/<weights digest>`, deployments/encoding.encoder_version) and each
+    tensor's name, per-row shape and dtype (Condition.batch_key)."""
+
+    encoder_version: str
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    @property
+    def family(self) -> str:
+        return self.encoder_version.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class ConditionHandle:
+    """An encoded prompt as a named artifact by reference: the encoder stage's own output (one
+    row, `contract.Condition`) in the object store, stamped with the encoders' version. The
+    trainer's controller passes it on unfetched; the learner that trains the rows fetches it.
+    name: "cond" (the prompt) or "uncond" (CFG's unconditional branch: its negative prompt or
+    the family's null prompt)."""
+
+    name: str
+    encoder_version: str
+    ref: Any                               # ObjectRef[Condition]
+
+
+@dataclass(frozen=True)
 class StageOutput:
     """What the rollout and decoder stages return: handles, never tensors."""
 
@@ -74,6 +101,8 @@ class GraphResult:
     previews: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
     encoded_token_ids: Mapping[str, tuple[int, ...]] | None = None   # per encoder (token check)
+    conditions: Mapping[str, ConditionHandle] = field(default_factory=dict)  # the encoder
+    # stage's outputs by reference: "cond" and, under CFG, "uncond"
 
 
 PACK_ALIGN = 64     # byte alignment of every tensor inside a PackedTensors buffer

@@ -45,7 +45,8 @@ def materialize(result: GraphResult) -> RolloutOutput:
                          seeds=result.seeds, stop_reason=result.stop_reason,
                          rewards=result.rewards, metrics=dict(result.metrics),
                          metadata=({"encoded_token_ids": dict(result.encoded_token_ids)}
-                                   if result.encoded_token_ids is not None else {}))
+                                   if result.encoded_token_ids is not None else {}),
+                         conditions=dict(result.conditions))     # by reference, unfetched
 
 
 class RolloutClient:
@@ -75,6 +76,10 @@ class RolloutClient:
 
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         return self.collect(self.submit(requests))
+
+    def conditions(self, prompts, unconditional: bool = False) -> list:
+        """The encoder stage's encoding of each prompt as ConditionHandles (unfetched)."""
+        return self.ingress.conditions.remote(list(prompts), unconditional).result()
 
     async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         """`rollout` from async code: the fetch and the release run in a thread, off the loop."""

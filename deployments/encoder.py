@@ -189,6 +189,10 @@ class TextEncoderServer:
             out.append(dict(item))
         return out
 
+    async def encoder_version(self) -> str:
+        """The version its encodings are stamped with (deployments/encoding.encoder_version)."""
+        return self.version
+
     async def cache_stats(self) -> dict[str, int | str]:
         """The prompt-embedding cache's hits, misses, evictions, entries and bytes (of its
         bound), and the encoder version its entries are stamped with."""

@@ -25,10 +25,10 @@ import ray
 import torch
 
 from adapters.registry import get_family
-from contract import (GraphResult, InvalidRequestError, LimitExceededError, Modality,
-                      NonFiniteOutputError, Representation, RewardReport, RolloutError,
-                      RolloutRequest, ScorerFailedError, ScorerOutput, StageOutput,
-                      StageUnavailableError, UnscorableInputError, check_requested_artifacts)
+from contract import (ConditionHandle, GraphResult, InvalidRequestError, LimitExceededError,
+                      Modality, NonFiniteOutputError, PromptBundle, Representation,
+                      RewardReport, RolloutError, RolloutRequest, ScorerFailedError,
+                      ScorerOutput, StageOutput, StageUnavailableError, UnscorableInputError, check_requested_artifacts)
 from deployments.config import GraphConfig
 from deployments.failures import replica_died, replica_failed
 from deployments.http import HTTPFront, stage_error
@@ -70,6 +70,7 @@ class RolloutGraph(HTTPFront):
         self.metrics = StageMetrics("ingress")
         self.ingress_tensor_bytes = 0
         self.objects = HolderShards(config.object_holder)   # the stages' outputs
+        self._encoder_version: str | None = None   # stamped on the conditions it hands out
 
     # ---------------------------------------------------------------- handle API
     async def rollout(self, requests: RolloutRequest | Sequence[RolloutRequest],
@@ -89,6 +90,25 @@ class RolloutGraph(HTTPFront):
             await self.release([r.request_id for r in batch])
             raise failed[0]
         return list(results)
+
+    async def conditions(self, prompts: Sequence[PromptBundle], unconditional: bool = False
+                         ) -> list[ConditionHandle]:
+        """The encoder stage's encoding of each prompt (or of its unconditional branch) by
+        reference, as a rollout hands them out: what a learner without text encoders runs its
+        checks on."""
+        conditioner = self.family.conditioner
+        handles = []
+        for prompt in prompts:
+            prompt = conditioner.unconditional(prompt) if unconditional else prompt
+            ref = await self._taken("encoder", self.encoder.encode.remote([prompt]), "conditions")
+            handles.append(ConditionHandle("uncond" if unconditional else "cond",
+                                           await self._encoder_version_of(), ref))
+        return handles
+
+    async def _encoder_version_of(self) -> str:
+        if self._encoder_version is None:
+            self._encoder_version = await self.encoder.encoder_version.remote()
+        return self._encoder_version
 
     async def release(self, request_ids: Sequence[str]) -> int:
         """The caller has fetched these requests' outputs: the stages' object-store copies go
@@ -253,6 +273,10 @@ class RolloutGraph(HTTPFront):
         if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
             uncond = self.family.conditioner.unconditional(request.prompt)
             negative = await self._taken("encoder", self.encoder.encode.remote([uncond]), rid)
+        conditions = {"cond": ConditionHandle("cond", await self._encoder_version_of(), cond)}
+        if negative is not None:
+            conditions["uncond"] = ConditionHandle("uncond", conditions["cond"].encoder_version,
+                                                   negative)
         try:
             stage: StageOutput = await self._stage_result(
                 "rollout", self.rollout_stage.rollout.remote(request, cond, requested, negative),
@@ -269,9 +293,10 @@ class RolloutGraph(HTTPFront):
                      for latent, names in decoded_by_latent.items() if latent not in muxed}
         unread = dict(responses)   # decoder calls not awaited yet
         try:
-            return await self._decode_and_score(request, requested, media, preview, stage,
-                                                responses, unread, muxed, decoded_by_latent,
-                                                t_start, t_rollout, check_s)
+            result = await self._decode_and_score(request, requested, media, preview, stage,
+                                                  responses, unread, muxed, decoded_by_latent,
+                                                  t_start, t_rollout, check_s)
+            return dataclasses.replace(result, conditions=conditions)
         except BaseException:
             # decoders still running would put outputs after the caller releases this request:
             # let them finish first, so the release finds (and drops) everything they made

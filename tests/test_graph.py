@@ -457,7 +457,8 @@ def test_conditions_travel_by_reference_and_equal_the_encoder_stage_bitwise(grap
     from trainer.rollout_batch import (ConditionRows, StageConditions, build_batch,
                                        condition_signature)
     client = RolloutClient(graph)
-    texts = ["a red circle at the top left", "a blue square at the bottom right"]
+    texts = ["a red circle at the top left on a black background",
+             "a blue square at the bottom right on a black background"]
     reqs = [make_request(adapter, t, seeds=(3, 4)) for t in texts]
     outs = client.rollout(reqs)
     handles = [o.conditions["cond"] for o in outs]

@@ -14,7 +14,7 @@ from contract import Algorithm
 from rollout.engine import EmbeddedEngine
 from tests.trainer_helpers import sampled_batch
 from trainer.config import PromptSource, load_trainer_config
-from trainer.distributed import Colocation, RayTrainLearners, controller_settings
+from trainer.distributed import Colocation, RayTrainLearners
 from trainer.learner import Learner
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from trainer.prompts import captions
@@ -54,7 +54,7 @@ def _assert_metrics(want: dict, got: dict) -> None:
 
 
 def _pair(tmp_path, **learner):
-    """(single learner, 2-worker group with its controller-side mirror, the single learner's
+    """(single learner, 2-worker group (its policy: rank 0's exports), the single learner's
     config). Both run forwards of `micro_batch_size` rows: the same shapes, so the float
     results differ only by the order of the gradient sums (a whole-batch forward differs from
     per-row ones at 1e-7 relative -- tests/test_trainer_microbatch.py). AdamW's eps is 1e-4:
@@ -65,16 +65,14 @@ def _pair(tmp_path, **learner):
     cfg2 = _cfg(tmp_path / "two", workers=2, resources_per_worker={"CPU": 0.5}, **learner)
     family = TinyT2IFamily()
     one = Learner.load(family, cfg1.lora, cfg1.optimizer, cfg1.seed, cfg1.learner)
-    mirror = Learner.load(family, cfg2.lora, cfg2.optimizer, cfg2.seed,
-                          controller_settings(cfg2.learner))
-    group = RayTrainLearners(cfg2, mirror, cfg2.graph_config(), tmp_path, Colocation(None))
+    group = RayTrainLearners(cfg2, cfg2.graph_config(), tmp_path, Colocation(None))
     return one, group, cfg1
 
 
 def test_two_lora_workers_take_the_union_batch_step(ray_cluster, tmp_path):
     one, group, cfg = _pair(tmp_path, micro_batch_size=2)
     try:
-        _assert_same(one.export()[0], group.learner.export()[0])        # same start
+        _assert_same(one.export()[0], group.export()[0])        # same start
         batch = _batch(one, cfg)
         assert len(set(batch.group_ids)) == 2                            # one group per worker
         for algorithm in (Algorithm.NFT, Algorithm.FLOW_GRPO, Algorithm.DPO):
@@ -82,10 +80,10 @@ def test_two_lora_workers_take_the_union_batch_step(ray_cluster, tmp_path):
             got = group.update(batch, torch.Generator().manual_seed(3), algorithm)
             assert want["grad_norm"] > 0
             _assert_metrics(want, got)
-            _assert_same(one.export()[0], group.learner.export()[0])
+            _assert_same(one.export()[0], group.export()[0])
         one.refresh_old(0.25)
         group.refresh_old(0.25)
-        _assert_same(one.export(OLD_ADAPTER)[0], group.learner.export(OLD_ADAPTER)[0])
+        _assert_same(one.export(OLD_ADAPTER)[0], group.export(OLD_ADAPTER)[0])
         state = group.optimizer_state()                                  # rank 0's AdamW
         mine = one.optimizer.state_dict()
         for i, s in mine["state"].items():
@@ -105,9 +103,9 @@ def test_two_fsdp2_workers_take_the_union_batch_full_fine_tuning_step(ray_cluste
             want = UPDATES[algorithm](one, batch, cfg, torch.Generator().manual_seed(5))
             got = group.update(batch, torch.Generator().manual_seed(5), algorithm)
             _assert_metrics(want, got)
-            _assert_same(one.export()[0], group.learner.export()[0])
+            _assert_same(one.export()[0], group.export()[0])
         one.refresh_old(0.0)
         group.refresh_old(0.0)
-        _assert_same(one.export(OLD_ADAPTER)[0], group.learner.export(OLD_ADAPTER)[0])
+        _assert_same(one.export(OLD_ADAPTER)[0], group.export(OLD_ADAPTER)[0])
     finally:
         group.close()

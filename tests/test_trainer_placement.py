@@ -3,7 +3,9 @@
 * disaggregated: a 2-worker Ray Train learner group on its own fractional CPU bundles beside
   the rollout replica, full fine-tuning (FSDP2), FlowGRPO; every published version is the
   full weights, fetched from the policy store by the replica -- the log-prob parity check at
-  the sampled version (|ratio - 1| <= 1e-4) shows the replica sampled with exactly them;
+  the sampled version (|ratio - 1| <= 1e-4, run on the workers) shows the replica sampled
+  with exactly them; the controller (this process) holds no model parameter during the run,
+  the workers no text encoder (conditions come from the encoder stage by reference);
 * colocated: the in-process learner steps while the rollout engine sleeps (serial pipeline).
 """
 from __future__ import annotations
@@ -38,23 +40,51 @@ def _config(tmp_path, **over):
     return load_trainer_config(cfg)
 
 
+class MeasuredTrainer:
+    """A Trainer that reads this process's parameter bytes at every training step."""
+
+    @staticmethod
+    def make(cfg):
+        from trainer.learner_worker import process_parameter_bytes
+        from trainer.loop import Trainer
+
+        class Measured(Trainer):
+            def train_on(self, outputs, pending):
+                self.parameter_bytes.append(process_parameter_bytes())
+                return super().train_on(outputs, pending)
+
+        trainer = Measured(cfg)
+        trainer.parameter_bytes = []
+        return trainer
+
+
 def test_disaggregated_fsdp2_workers_publish_full_weight_versions(graph, tmp_path):
-    from trainer.loop import Trainer
+    from trainer.learner_worker import process_parameter_bytes
+    before = process_parameter_bytes()          # what earlier tests left alive in this process
     cfg = _config(tmp_path, algorithm="flow_grpo", optimizer={"lr": 1e-4},
                   pipeline={"mode": "async", "max_staleness": 1},
+                  checks={"time_convention": True, "lora_map": False},
                   learner={"fine_tune": "full", "workers": 2, "micro_batch_size": 1,
                            "resources_per_worker": {"CPU": 0.5}})
-    trainer = Trainer(cfg)
+    trainer = MeasuredTrainer.make(cfg)
     assert [r.get("CPU") for r in trainer.learners.worker_resources] == [0.5, 0.5]
+    for held in trainer.learners.worker_modules:        # the transformer only, on each worker
+        assert held["transformers"] > 0 and held["text_encoders"] == 0
+    assert trainer.learner is None
     history = trainer.run()
     assert len(history) == 2
+    assert len(trainer.parameter_bytes) == 2
+    assert all(b - before == 0 for b in trainer.parameter_bytes), (before, trainer.parameter_bytes)
+    check = [r for r in metric_rows(tmp_path) if any(k.startswith("check_") for k in r)]
+    assert check and check[0]["check_cos_declared@0.5"] > check[0]["check_cos_other@0.5"]
     for row in train_steps(metric_rows(tmp_path)):
         assert row["rows"] == 4 and row["grad_norm"] > 0
         assert row["logprob_ratio_err_max"] <= 1e-4     # sampled with the exact full weights
     assert trainer.publisher.kind.value == "full"
     version = trainer.sampling_versions[-1]
     tensors = trainer.publisher.tensors_of(version)
-    assert len(tensors) == sum(1 for _ in trainer.learner.transformer.parameters())
+    assert len(tensors) == sum(1 for _ in trainer.family.load_transformers()["transformer"]
+                               .parameters())
     from ray import serve
     rollout = serve.get_deployment_handle("DiTRollout", app_name=APP)
     assert version in rollout.ensure_version.remote(version).result()

@@ -25,12 +25,13 @@ class TrainerCheckpoints:
     def checkpoint(self, pending: Pending | None = None) -> Path:
         """Everything the next steps depend on (run_state.py): adapters, optimizer, generator,
         the prompt position and sampling version of the in-flight batch `pending`, the EMA."""
-        tensors = {TRAIN_ADAPTER: self.learner.export(TRAIN_ADAPTER)[0],
-                   OLD_ADAPTER: self.learner.export(OLD_ADAPTER)[0]}
+        tensors = {TRAIN_ADAPTER: self.learners.export(TRAIN_ADAPTER)[0],
+                   OLD_ADAPTER: self.learners.export(OLD_ADAPTER)[0]}
         if pending is not None:
             tensors["pending"] = self.publisher.tensors_of(pending.requests[0].policy_version)
-        if self.ema is not None and self.ema.tensors is not None:
-            tensors["ema"] = self.ema.tensors
+        ema = None if self.ema is None else self.ema.tensors     # fetched from the learner
+        if ema is not None:
+            tensors["ema"] = ema
         data_state = (pending.data_state if pending is not None else
                       None if self.feed.data is None else self.feed.data.state())
         return save_checkpoint(self.run_dir, self.step, tensors, self.learners.optimizer_state(), {
@@ -47,10 +48,8 @@ class TrainerCheckpoints:
         tensors, optimizer, state = load_checkpoint(self.run_dir)
         if "config" in state:
             check_resume_config(state["config"], self.cfg)
-        for name in (TRAIN_ADAPTER, OLD_ADAPTER):
-            self.learner.load_adapter(name, tensors[name])
         self.learners.load_state({name: tensors[name] for name in (TRAIN_ADAPTER, OLD_ADAPTER)},
-                                 optimizer)             # the worker group's learners too
+                                 optimizer)     # the learner here, or every worker's
         self.step = int(state["step"])
         self.dropped_stale_rows = int(state.get("dropped_stale_rows", 0))
         self.rollout_retries = int(state.get("rollout_retries", 0))
@@ -58,9 +57,8 @@ class TrainerCheckpoints:
             set_generator_state(self.gen, state["generator"])
         if self.feed.data is not None:
             self.feed.restore(state.get("data_state"))
-        if self.ema is not None and "ema" in tensors:
-            self.ema.tensors = {k: v.clone() for k, v in tensors["ema"].items()}
-            self.ema.updates = int(state.get("ema_updates") or 0)
+        if self.ema is not None and "ema" in tensors:      # back onto the learner
+            self.ema.restore(tensors["ema"], int(state.get("ema_updates") or 0))
         self._resume_pending = tensors.get("pending")
 
     def publish_resumed(self) -> str | None:
@@ -70,7 +68,7 @@ class TrainerCheckpoints:
         if saved is None:
             return None
         role = OLD_ADAPTER if self.samples_with_old else TRAIN_ADAPTER
-        current, scale = self.learner.export(role)
+        current, scale = self.learners.export(role)
         if set(saved) == set(current) and all(torch.equal(saved[k], current[k]) for k in saved):
             return None
         version, _ = self.publisher.publish(f"inflight-{self.step}", self.step, saved, scale)

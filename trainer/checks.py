@@ -50,14 +50,28 @@ class _Convention:
         return self.denoiser.forward(*args, **kwargs)
 
 
+def prompt_conditions(learner: Learner, prompts: Sequence[PromptBundle],
+                      handles: Sequence | None = None, unconditional: bool = False):
+    """The prompts' conditions: the encoder stage's (`handles`, one ConditionHandle per prompt,
+    fetched here and checked against the learner's signature), else the learner's own text
+    encoders on the same ids."""
+    if handles is None:
+        return learner.uncond(prompts) if unconditional else learner.encode(prompts)
+    from trainer.rollout_batch import ConditionRows
+    return ConditionRows(tuple(handles), tuple(range(len(handles)))).fetch(
+        learner.condition_signature)
+
+
 @torch.no_grad()
 def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[PromptBundle],
-                          min_cos: float = 0.3, seed: int = 0) -> dict[str, float]:
-    """x0: (B, *S) clean latents of real media with their prompts. Returns cosines per sigma."""
+                          min_cos: float = 0.3, seed: int = 0,
+                          handles: Sequence | None = None) -> dict[str, float]:
+    """x0: (B, *S) clean latents of real media with their prompts (their conditions: `handles`
+    from the encoder stage, else encoded here). Returns cosines per sigma."""
     denoiser = learner.family.denoiser
     declared = TimeConvention(denoiser.time_convention)
     other = next(c for c in TimeConvention if c != declared)
-    cond = learner.encode(prompts)
+    cond = prompt_conditions(learner, prompts, handles)
     gen = torch.Generator().manual_seed(seed)
     eps = torch.randn(x0.shape, generator=gen).to(learner.device)      # on the learner's device
     x0 = x0.to(learner.device)
@@ -88,8 +102,8 @@ def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[
 
 @torch.no_grad()
 def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBundle],
-                                    sampling, seed: int = 0, atol: float = 1e-5
-                                    ) -> dict[str, float]:
+                                    sampling, seed: int = 0, atol: float = 1e-5,
+                                    handles: Sequence | None = None) -> dict[str, float]:
     """For a checkpoint family: every step of the project's denoising step (declared time
     convention -> model time, velocity sign, Euler step) must equal the checkpoint's own
     diffusers scheduler stepping the model's raw output at the pipeline's timestep. Valid for
@@ -100,7 +114,7 @@ def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBu
     device = learner.device
     sigmas = family.sigmas(sampling).to(device)
     rows = len(prompts)
-    cond = learner.encode(prompts)
+    cond = prompt_conditions(learner, prompts, handles)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen).to(device)
     inputs = family.codec.encode_media({}, sampling, {}).inputs
@@ -169,18 +183,20 @@ def merged_copy(learner: Learner, tensors: Mapping[str, torch.Tensor],
 @torch.no_grad()
 def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
                      prompts: Sequence[PromptBundle], seeds: Sequence[int], num_steps: int,
-                     sampling) -> torch.Tensor:
-    """Local ODE rollout with the project's noise, schedule and step function: (P*G, *S)."""
+                     sampling, handles: Sequence | None = None,
+                     uncond_handles: Sequence | None = None) -> torch.Tensor:
+    """Local ODE rollout with the project's noise, schedule and step function: (P*G, *S).
+    handles / uncond_handles: the prompts' conditions from the encoder stage."""
     family = learner.family
     group = len(seeds) // len(prompts)
     repeats = [group] * len(prompts)
-    cond = learner.encode(prompts).repeat_rows(repeats)
+    cond = prompt_conditions(learner, prompts, handles).repeat_rows(repeats)
     device = learner.device
     x = initial_noise(list(seeds), family.codec.state_shape(sampling)).to(device)
     sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps})).to(device)
     uncond = None                                   # guided as the graph's requests were
     if doubles_rows(family.spec.guidance, sampling.guidance_scale):
-        uncond = learner.uncond(prompts).repeat_rows(repeats)
+        uncond = prompt_conditions(learner, prompts, uncond_handles, True).repeat_rows(repeats)
     guidance = learner.guidance(x.shape[0], sampling.guidance_scale, uncond)
     media = {k: v.expand(x.shape[0], *v.shape[1:]) for k, v in
              family.codec.encode_media(learner.media_modules, sampling, {}).inputs.items()}
@@ -190,6 +206,27 @@ def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
             x = denoise_step(family.denoiser, models, x, sigma, sigma_next, cond, guidance,
                              SamplerKind.ODE, 0.0, media=media or None).prev_sample
     return x.cpu()
+
+
+def local_ode_with_probe(learner: Learner, tensors_ref, scale: float,
+                         prompts: Sequence[PromptBundle], seeds: Sequence[int], num_steps: int,
+                         sampling, handles: Sequence | None = None,
+                         uncond_handles: Sequence | None = None) -> torch.Tensor:
+    """The LoRA map check's local side on the learner: its transformer(s) with the probe
+    adapter (an object ref, or the tensors) merged in, sampled by `sample_local_ode`."""
+    import ray
+    tensors = ray.get(tensors_ref).unpack() if isinstance(tensors_ref, ray.ObjectRef) \
+        else tensors_ref
+    return sample_local_ode(learner, merged_copy(learner, tensors, scale), prompts, seeds,
+                            num_steps, sampling, handles, uncond_handles)
+
+
+def probe_lora_ref(learner: Learner, seed: int = 0) -> tuple[object, float]:
+    """`probe_lora` put into the object store (the controller publishes the reference)."""
+    import ray
+    from contract import PackedTensors
+    tensors, scale = probe_lora(learner, seed)
+    return ray.put(PackedTensors.pack(tensors)), scale
 
 
 @contextmanager
@@ -261,6 +298,10 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
     j = trajectory.window[0]
     sigma = trajectory.sigmas[j].expand(trajectory.latents.shape[0])
     lp = torch.empty(trajectory.latents.shape[0])
+    from trainer.rollout_batch import ConditionRows
+    if isinstance(cond, ConditionRows):          # the encoder stage's, fetched here
+        cond = cond.fetch(learner.condition_signature)
+        uncond = None if uncond is None else uncond.fetch(learner.condition_signature)
     for version in dict.fromkeys(versions):
         rows = torch.tensor([v == version for v in versions])
         with learner.as_old(version_tensors(version)):
@@ -280,6 +321,17 @@ def logprob_mismatch(learner: Learner, trajectory, cond, version_tensors: Callab
                                 actual=ratio_err)
     return {"logprob_absdiff_max": float(diff.max()), "logprob_absdiff_mean": float(diff.mean()),
             "logprob_ratio_err_max": ratio_err}
+
+
+def logprob_mismatch_by_ref(learner: Learner, trajectory, cond, version_refs: Mapping,
+                            versions: Sequence[str], tol: float, uncond=None,
+                            media: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """`logprob_mismatch` on a learner worker: each sampled version's tensors fetched from the
+    object store by reference (version -> ObjectRef[PackedTensors])."""
+    import ray
+    return logprob_mismatch(learner, trajectory, cond,
+                            lambda version: ray.get(version_refs[version]).unpack(), versions,
+                            tol, uncond, media)
 
 
 def _rows(trajectory, rows: torch.Tensor):

@@ -22,10 +22,11 @@ class TrainerEvaluation:
         """The evaluated policy: the EMA of the trained adapter when enabled, else the current."""
         if self.ema is None:
             return self.current_version()
-        current, scale = self.learner.export(TRAIN_ADAPTER)
-        if self.ema.tensors is None:
-            self.ema.update(self.step, current)
-        return self.publisher.publish(f"ema-{self.step}", self.step, self.ema.tensors, scale)[0]
+        _, scale = self.learners.export_packed(TRAIN_ADAPTER)
+        if not self.ema.started:             # initialised from the weights before step 1
+            self.ema.update(self.step)
+        return self.publisher.publish(f"ema-{self.step}", self.step, self.ema.packed_ref(),
+                                      scale)[0]
 
     def evaluate(self) -> dict[str, float]:
         """Held-out prompts, ODE, fixed seeds, the current adapter; graph-scored rewards."""

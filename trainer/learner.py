@@ -45,6 +45,28 @@ def state_from_latents(family: ModelFamily, latents: Mapping[str, torch.Tensor],
     return state.float()
 
 
+def encode_media_conditions(family: ModelFamily, media_modules: Mapping[str, nn.Module],
+                            samplings: Sequence[SamplingSpec],
+                            media: Sequence[Mapping | None] | None) -> list[MediaCondition]:
+    """Each request's encoded condition media (held state entries, model inputs) as the
+    rollout encoded them, recomputed by the same codec from the same media."""
+    with torch.no_grad():
+        return [family.codec.encode_media(
+            media_modules, sampling, dict(media[i] or {}) if media is not None else {})
+            for i, sampling in enumerate(samplings)]
+
+
+def request_inputs(conditions: Sequence[MediaCondition], repeats: Sequence[int]
+                   ) -> dict[str, torch.Tensor]:
+    """The per-request forward inputs (condition media, position ids) of each request's rows:
+    (sum(repeats), ...) each."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for condition, rows in zip(conditions, repeats):
+        for name, value in condition.inputs.items():
+            parts.setdefault(name, []).append(value.cpu().expand(rows, *value.shape[1:]))
+    return {name: torch.cat(values) for name, values in parts.items()}
+
+
 class Learner:
     """The policy (current / old / reference: LoRA adapters or full weights, `settings.
     fine_tune`) on the family's training-form transformer(s), on `settings.device` with the
@@ -85,6 +107,9 @@ class Learner:
         self.max_grad_norm = optimizer.max_grad_norm
         self.reset_optimizer()
         self.collective: Collective | None = None
+        # what the encoder stage's conditions must match (set once from its probe encoding;
+        # trainer.rollout_batch.ConditionRows.fetch), None for a learner that encodes its own
+        self.condition_signature = None
 
     def reset_optimizer(self) -> None:
         """A fresh AdamW over the trainable parameters (again after FSDP2 replaced them)."""
@@ -100,18 +125,23 @@ class Learner:
     @classmethod
     def load(cls, family: ModelFamily, lora: LoRATrainConfig, optimizer: OptimizerConfig,
              seed: int = 0, settings: LearnerConfig | None = None,
-             device: str | None = None) -> "Learner":
+             device: str | None = None, text_encoders: bool = True,
+             media_encoders: bool = True) -> "Learner":
         """The learner's components from the checkpoint: transformer(s) + text encoders, loaded
         straight onto the device in their dtype (a device or dtype the machine lacks fails
-        first, naming the field). `device` overrides `settings.device` (a worker's own GPU)."""
+        first, naming the field). `device` overrides `settings.device` (a worker's own GPU).
+        text_encoders=False: a learner whose conditions come from the encoder stage by
+        reference (a Ray Train worker); media_encoders=False: no task of the run has condition
+        media (the VAE encoder re-encodes them)."""
         settings = settings or LearnerConfig()
         if device is not None:
             settings = settings.model_copy(update={"device": device})
         dev, dtype = settings.check_device()
         weights_dtype = torch.float32 if settings.fine_tune is PolicyKind.FULL else dtype
         return cls(family, family.load_transformers(weights_dtype, dev),
-                   family.load_encoders(dtype, dev), lora, optimizer, seed,
-                   family.load_media_encoders(dtype, dev), settings)
+                   family.load_encoders(dtype, dev) if text_encoders else {}, lora, optimizer,
+                   seed, family.load_media_encoders(dtype, dev) if media_encoders else {},
+                   settings)
 
     def load_initial(self, lora: LoRATrainConfig) -> None:
         """A user's diffusers LoRA file as the trained and the old adapter (the reference stays
@@ -145,14 +175,23 @@ class Learner:
         conditioner = self.family.conditioner
         return self.encode([conditioner.unconditional(p) for p in prompts])
 
-    @torch.no_grad()
+    def conditions(self, prompts: Sequence[PromptBundle], outputs, repeats: Sequence[int],
+                   guided: bool) -> tuple[Condition, Condition | None]:
+        """Each row's condition (and unconditional branch when `guided`) re-encoded by this
+        learner's own text encoders (trainer.rollout_batch.build_batch, in-process)."""
+        if not self.encoders:
+            raise ConfigError("this learner holds no text encoder: its conditions come from the "
+                              "encoder stage (trainer.rollout_batch.StageConditions)",
+                              field="encoders", expected=self.family.spec.encoder_names,
+                              actual=[])
+        cond = self.encode(prompts).repeat_rows(repeats)
+        return cond, self.uncond(prompts).repeat_rows(repeats) if guided else None
+
     def media_conditions(self, samplings: Sequence[SamplingSpec],
                          media: Sequence[Mapping | None] | None) -> list[MediaCondition]:
         """Each request's encoded condition media (held state entries, model inputs) as the
         rollout encoded them, recomputed by the same codec from the same media."""
-        return [self.family.codec.encode_media(
-            self.media_modules, sampling, dict(media[i] or {}) if media is not None else {})
-            for i, sampling in enumerate(samplings)]
+        return encode_media_conditions(self.family, self.media_modules, samplings, media)
 
     @torch.no_grad()
     def forward_inputs(self, samplings: Sequence[SamplingSpec],
@@ -162,13 +201,7 @@ class Learner:
         """The per-request forward inputs (condition media, position ids) the rollout computed,
         recomputed by the same codec from the same media (or given as `conditions`):
         (sum(repeats), ...) each."""
-        parts: dict[str, list[torch.Tensor]] = {}
-        conditions = conditions or self.media_conditions(samplings, media)
-        for condition, rows in zip(conditions, repeats):
-            inputs = condition.inputs
-            for name, value in inputs.items():
-                parts.setdefault(name, []).append(value.cpu().expand(rows, *value.shape[1:]))
-        return {name: torch.cat(values) for name, values in parts.items()}
+        return request_inputs(conditions or self.media_conditions(samplings, media), repeats)
 
     def guidance(self, rows: int, guidance_scale: float,
                  uncond: Condition | None) -> Guidance:

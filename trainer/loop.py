@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import ray
 import torch
 
 from adapters.registry import get_family
@@ -28,15 +29,16 @@ from trainer import checks
 from trainer.algorithms import old_decay
 from trainer.checkpointing import TrainerCheckpoints
 from trainer.config import PipelineMode, TrainerConfig, check_holder_ttl
-from trainer.distributed import build_learners, controller_settings
+from trainer.distributed import LearnerEMA, build_learners
 from trainer.evaluation import TrainerEvaluation
 from trainer.learner import Learner
 from trainer.logs import MetricsLogger, WandbRun, plot_reward_curve
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from trainer.prompts import make_requests, probe_clean_latents
 from trainer.sync import PolicyPublisher
-from trainer.run_state import PolicyEMA, PromptFeed
-from trainer.rollout_batch import build_batch, canonical_media
+from trainer.run_state import PromptFeed
+from trainer.learner_worker import CONDITIONED_TASKS
+from trainer.rollout_batch import StageConditions, build_batch, canonical_media
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).
@@ -73,16 +75,28 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         check_holder_ttl(cfg, self.graph)      # before any weight loads
         self.family = get_family(self.graph.adapter, self.graph.weights_path,
                                  self.graph.adapter_options)
-        self.learner = Learner.load(self.family, cfg.lora, cfg.optimizer, cfg.seed,
-                                    controller_settings(cfg.learner))
         self.client = client or RolloutClient.connect(self.graph.app_name)
+        self.feed = PromptFeed(cfg, self.family.conditioner.tokenize)
+        self.eval_prompts = self.feed.eval_bundles
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Conditions are the encoder stage's, by reference: no text encoder in this process.
+        # The VAE encoder only for a task with condition media (their state entries and
+        # forward inputs are re-encoded from the request's media).
+        media = cfg.task in CONDITIONED_TASKS
+        self.learner = None if cfg.learner.distributed else Learner.load(
+            self.family, cfg.lora, cfg.optimizer, cfg.seed, cfg.learner, text_encoders=False,
+            media_encoders=media)
+        self.conditions = StageConditions(
+            self.family, self.learner.media_modules if self.learner is not None else
+            self.family.load_media_encoders() if media else {})
+        # where the step runs: this process, or a Ray Train worker group (trainer/distributed.py)
+        # that holds the model; the encoder stage's probe sets the learners' condition check
+        self.learners = build_learners(cfg, self.learner, self.graph, self.run_dir,
+                                       self.client.conditions(self.eval_prompts[:1])[0])
         self.publisher = PolicyPublisher(self.graph.policy_store,
                                          f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}",
-                                         kind=self.learner.kind)
-        # where the step runs: this process, or a Ray Train worker group (trainer/distributed.py)
-        self.learners = build_learners(cfg, self.learner, self.graph, self.run_dir)
+                                         kind=self.learners.kind)
         tracker = (WandbRun(self.run_dir, cfg.wandb.mode, cfg.wandb.project, cfg.wandb.name,
                             cfg.model_dump(mode="json"), resume=cfg.resume)
                    if cfg.wandb.enabled else None)
@@ -94,9 +108,8 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         self.dropped_stale_rows = 0
         self.rollout_retries = 0
         self.progress = progress
-        self.feed = PromptFeed(cfg, self.family.conditioner.tokenize)
-        self.eval_prompts = self.feed.eval_bundles
-        self.ema = PolicyEMA(cfg.ema) if cfg.ema.enabled else None
+        # the evaluation EMA lives on the learner (rank 0), beside the tensors it averages
+        self.ema = LearnerEMA(self.learners, cfg.ema) if cfg.ema.enabled else None
         self._resume_pending: dict | None = None     # the in-flight batch's version, resumed
         self.history: list[dict[str, float]] = []
 
@@ -108,8 +121,8 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
     def publish_sampling(self) -> tuple[str, float]:
         name = f"old-{self.step}" if self.samples_with_old else f"v{self.step}"
         version, seconds = self.publisher.publish(
-            name, self.step, *self.learner.export_packed(OLD_ADAPTER if self.samples_with_old
-                                                         else TRAIN_ADAPTER))
+            name, self.step, *self.learners.export_packed(OLD_ADAPTER if self.samples_with_old
+                                                          else TRAIN_ADAPTER))
         self.sampling_versions.append(version)
         return version, seconds
 
@@ -120,7 +133,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         version = self.publisher.version(f"v{self.step}")
         if version not in self.publisher.tensors:
             self.publisher.publish(f"v{self.step}", self.step,
-                                   *self.learner.export_packed(TRAIN_ADAPTER))
+                                   *self.learners.export_packed(TRAIN_ADAPTER))
         return version
 
     # ---- rollouts ------------------------------------------------------------------------------
@@ -166,7 +179,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         c, report = self.cfg.checks, {}
         if c.time_convention:
             report.update(self.check_time_convention())
-        if c.lora_map and self.learner.kind is PolicyKind.LORA:
+        if c.lora_map and self.learners.kind is PolicyKind.LORA:
             report.update(self.check_lora_map())
         return report
 
@@ -177,13 +190,17 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         sampling = make_requests(self.family, prompts, self.cfg.sampler, 1, seed=0,
                                  version=None, sampler=SamplerKind.ODE)[0].sampling
         if self.family.pipeline_scheduler(sampling) is not None:
-            return checks.check_time_convention_scheduler(self.learner, prompts, sampling)
+            return self.learners.on_learner(checks.check_time_convention_scheduler, prompts,
+                                            sampling, 0, 1e-5, self.client.conditions(prompts))
         x0, probe = probe_clean_latents(self.cfg.prompts, self.family)
-        return checks.check_time_convention(self.learner, x0, probe)
+        return self.learners.on_learner(checks.check_time_convention, x0, probe, 0.3, 0,
+                                        self.client.conditions(probe))
 
     def check_lora_map(self, publish_transform=None) -> dict[str, float]:
-        tensors, scale = checks.probe_lora(self.learner, seed=self.cfg.seed)
-        sent = publish_transform(tensors) if publish_transform else tensors
+        tensors, scale = self.learners.on_learner(checks.probe_lora_ref, self.cfg.seed)
+        sent = tensors
+        if publish_transform:           # a deliberately broken map (tests): transformed here
+            sent = publish_transform(ray.get(tensors).unpack())
         version, _ = self.publisher.publish(f"probe-{uuid.uuid4().hex[:4]}", self.step, sent,
                                             scale)
         prompts = self.eval_prompts[:2]
@@ -195,12 +212,14 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
                                  sampler=SamplerKind.ODE, num_steps=num_steps,
                                  metadata=metadata if metadata[0] is not None else None)
             outs[tag] = self.rollout(reqs)
-        states = {tag: build_batch(self.learner, prompts, o, [r.sampling for r in reqs]).x0
+        states = {tag: build_batch(self.conditions, prompts, o, [r.sampling for r in reqs]).x0
                   for tag, o in outs.items()}
         seeds = [s for r in reqs for s in r.sampling.seeds]
-        local = checks.sample_local_ode(self.learner, checks.merged_copy(self.learner, tensors,
-                                                                         scale),
-                                        prompts, seeds, num_steps, reqs[0].sampling)
+        base = outs["base"]          # the encoder stage's conditions of these prompts
+        local = self.learners.on_learner(
+            checks.local_ode_with_probe, tensors, scale, prompts, seeds, num_steps,
+            reqs[0].sampling, [o.conditions["cond"] for o in base],
+            [o.conditions["uncond"] for o in base] if "uncond" in base[0].conditions else None)
         return checks.check_lora_map(states["probe"], states["base"], local,
                                      self.cfg.checks.lora_map_atol)
 
@@ -218,7 +237,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         media = canonical_media(pending.requests)
         if self.cfg.checks.token_ids:
             checks.check_token_ids(pending.prompts, outputs, self.family.spec.encoder_names)
-        batch = build_batch(self.learner, pending.prompts, outputs, samplings, media)
+        batch = build_batch(self.conditions, pending.prompts, outputs, samplings, media)
         stale = stale_rows(batch.versions, self.sampling_versions,
                            self.cfg.pipeline.max_staleness)
         metrics: dict[str, float] = {"stale_rows": float(sum(stale))}
@@ -228,15 +247,16 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
                 return metrics | {"dropped_stale_rows": float(self.dropped_stale_rows)}
             fresh = [i for i, o in enumerate(outputs) if stale_rows(
                 [o.policy_version], self.sampling_versions, self.cfg.pipeline.max_staleness) == [False]]
-            batch = build_batch(self.learner, [pending.prompts[i] for i in fresh],
+            batch = build_batch(self.conditions, [pending.prompts[i] for i in fresh],
                                 [outputs[i] for i in fresh], [samplings[i] for i in fresh],
                                 [media[i] for i in fresh])
         parity_due = self.step % self.cfg.checks.logprob_parity_every == 0
         for rows, _ in batch.window_groups if parity_due else ():   # one per SDE window
-            sub = batch.select(rows)
-            parity = checks.logprob_mismatch(
-                self.learner, sub.trajectory, sub.cond, self.publisher.tensors_of,
-                sub.versions, self.cfg.checks.logprob_ratio_tol, sub.uncond, sub.inputs)
+            sub = batch.select(rows)            # on the learner (rank 0 of a worker group)
+            parity = self.learners.on_learner(
+                checks.logprob_mismatch_by_ref, sub.trajectory, sub.cond,
+                {v: self.publisher.ref_of(v) for v in set(sub.versions)}, sub.versions,
+                self.cfg.checks.logprob_ratio_tol, sub.uncond, sub.inputs)
             for key, value in parity.items():     # the worst window counts
                 metrics[key] = max(metrics.get(key, value), value)
         metrics["reward_mean"] = float(batch.rewards.mean())
@@ -286,7 +306,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
             self.step += 1
             sync_s = self.after_update()
             if self.ema is not None:
-                self.ema.update(self.step, self.learner.export(TRAIN_ADAPTER)[0])
+                self.ema.update(self.step)
             if nxt and cfg.pipeline.mode is PipelineMode.SERIAL:
                 pending = self.submit(k + 1)
             now = time.perf_counter()

@@ -1,6 +1,11 @@
 """The rollouts of one training step as rows: `Batch` (state, rewards, conditions, trajectories,
-forward inputs per row) and `build_batch`, which flattens the graph's RolloutOutputs into it with
-the condition re-encoded by the trainer from the same prompts and media that were sent.
+forward inputs per row) and `build_batch`, which flattens the graph's RolloutOutputs into it.
+
+Conditions: `StageConditions` takes the encoder stage's own outputs by reference (each output's
+ConditionHandles, `ConditionRows` in the batch): the controller never fetches them; the learner
+that trains a row fetches its request's handle (`fetch_conditions`), checked against the
+learner's `ConditionSignature` first. An in-process `Learner` passed instead re-encodes the same
+token ids with its own text encoders.
 Shapes: B = rows (prompts x group size), *S = sampler state.
 """
 from __future__ import annotations
@@ -11,10 +16,132 @@ from typing import Mapping, Sequence
 
 import torch
 
-from contract import (Condition, InvalidRequestError, MediaRole, PromptBundle, RolloutOutput,
+from adapters.family import MediaCondition, ModelFamily
+from contract import (Condition, ConditionHandle, ConditionSignature,
+                      InvalidRequestError, MediaRole, PromptBundle, RolloutOutput,
                       RolloutRequest, SamplingSpec, Trajectory, normalize_media)
+from contract.errors import EncoderVersionError
 from diffusion.step import doubles_rows
-from trainer.learner import Learner, state_from_latents
+from trainer.learner import Learner, encode_media_conditions, request_inputs, state_from_latents
+
+
+@dataclass(frozen=True)
+class ConditionRows:
+    """B rows of conditions by reference: the one-row ConditionHandle of each request and,
+    per row, which of them it is. Selecting rows moves indices, never tensors."""
+
+    handles: tuple[ConditionHandle, ...]
+    row_handle: tuple[int, ...]          # (B,) index into handles
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_handle)
+
+    def index_select(self, rows: torch.Tensor | Sequence[int]) -> "ConditionRows":
+        index = torch.as_tensor(rows, dtype=torch.long).tolist()
+        used = sorted({self.row_handle[i] for i in index})
+        where = {h: n for n, h in enumerate(used)}
+        return ConditionRows(tuple(self.handles[h] for h in used),
+                             tuple(where[self.row_handle[i]] for i in index))
+
+    def repeat_rows(self, repeats: Sequence[int]) -> "ConditionRows":
+        index = torch.repeat_interleave(torch.arange(self.rows), torch.tensor(list(repeats)))
+        return self.index_select(index)
+
+    def fetch(self, signature: ConditionSignature) -> Condition:
+        """The rows' tensors from the object store (each request's once), every handle checked
+        against `signature` (version before the fetch, names / shapes / dtypes after)."""
+        import ray
+        for h in self.handles:
+            check_handle(h, signature)
+        conditions = ray.get([h.ref for h in self.handles])
+        for h, c in zip(self.handles, conditions):
+            check_condition(h, c, signature)
+        return Condition.cat(conditions).index_select(list(self.row_handle))
+
+
+def check_handle(handle: ConditionHandle, signature: ConditionSignature) -> None:
+    if handle.encoder_version != signature.encoder_version:
+        raise EncoderVersionError("a condition of other text encoders than the learner's family "
+                                  "expects", field=f"conditions.{handle.name}.encoder_version",
+                                  expected=signature.encoder_version,
+                                  actual=handle.encoder_version)
+
+
+def check_condition(handle: ConditionHandle, cond: Condition,
+                    signature: ConditionSignature) -> None:
+    """Names, per-row shapes and dtypes of a fetched condition equal the signature's."""
+    if not isinstance(cond, Condition):
+        raise InvalidRequestError("a condition handle does not refer to a Condition",
+                                  field=f"conditions.{handle.name}", expected="Condition",
+                                  actual=type(cond).__name__)
+    got = dict((n, (shape, dtype)) for n, shape, dtype in cond.batch_key())
+    want = dict((n, (shape, dtype)) for n, shape, dtype in signature.tensors)
+    if sorted(got) != sorted(want):
+        raise InvalidRequestError("the condition's tensors are not the learner family's",
+                                  field=f"conditions.{handle.name}", expected=sorted(want),
+                                  actual=sorted(got))
+    for name in want:
+        if got[name][0] != want[name][0]:
+            raise InvalidRequestError("a condition tensor's per-row shape is not the learner "
+                                      "family's", field=f"conditions.{handle.name}.{name}.shape",
+                                      expected=want[name][0], actual=got[name][0])
+        if got[name][1] != want[name][1]:
+            raise InvalidRequestError("a condition tensor's dtype is not the learner family's",
+                                      field=f"conditions.{handle.name}.{name}.dtype",
+                                      expected=want[name][1], actual=got[name][1])
+
+
+def condition_signature(family: ModelFamily, handle: ConditionHandle,
+                        cond: Condition) -> ConditionSignature:
+    """What every condition of a run must match: the probe's (one encoding of the encoder stage,
+    fetched by a learner) once its version names the learner's family."""
+    if handle.encoder_version.split("/", 1)[0] != family.name:
+        raise EncoderVersionError("the encoder stage encodes for another model family",
+                                  field=f"conditions.{handle.name}.encoder_version",
+                                  expected=f"{family.name}/...", actual=handle.encoder_version)
+    return ConditionSignature(handle.encoder_version, cond.batch_key())
+
+
+def fetch_conditions(batch: "Batch | None", signature: ConditionSignature) -> "Batch | None":
+    """The batch with its conditions by reference fetched (a learner's shard: its rows only)."""
+    if batch is None or not isinstance(batch.cond, ConditionRows):
+        return batch
+    return dataclasses.replace(
+        batch, cond=batch.cond.fetch(signature),
+        uncond=None if batch.uncond is None else batch.uncond.fetch(signature))
+
+
+class StageConditions:
+    """Conditions from the encoder stage's outputs by reference (no text encoder here); the
+    condition media's entries from the same codec (`media_modules`: the VAE encoder a task with
+    condition media needs, else none)."""
+
+    def __init__(self, family: ModelFamily, media_modules=None):
+        self.family = family
+        self.media_modules = dict(media_modules or {})
+
+    def media_conditions(self, samplings, media) -> list[MediaCondition]:
+        return encode_media_conditions(self.family, self.media_modules, samplings, media)
+
+    def forward_inputs(self, samplings, media, repeats, conditions):
+        return request_inputs(conditions, repeats)
+
+    def conditions(self, prompts: Sequence[PromptBundle], outputs: Sequence[RolloutOutput],
+                   repeats: Sequence[int], guided: bool
+                   ) -> tuple[ConditionRows, ConditionRows | None]:
+        names = ("cond", "uncond") if guided else ("cond",)
+        for out in outputs:
+            for name in names:
+                if name not in out.conditions:
+                    raise InvalidRequestError("a rollout came back without the encoder stage's "
+                                              "condition", field=f"conditions.{name}",
+                                              expected=list(names),
+                                              actual=sorted(out.conditions),
+                                              request_id=out.request_id)
+        rows = tuple(i for i, r in enumerate(repeats) for _ in range(r))
+        by_name = [ConditionRows(tuple(o.conditions[n] for o in outputs), rows) for n in names]
+        return by_name[0], (by_name[1] if guided else None)
 
 
 @dataclass(frozen=True)
@@ -24,7 +151,8 @@ class Batch:
     x0: torch.Tensor                   # (B, *S) final clean sampler state
     rewards: torch.Tensor              # (B,) total reward
     group_ids: tuple[str, ...]         # B prompt/request ids
-    cond: Condition                    # B rows: the trainer-side condition of each row
+    cond: Condition | ConditionRows    # B rows: each row's condition (by reference until a
+    # learner fetches its rows: fetch_conditions)
     trajectory: Trajectory | None      # all rows, when they share one window; else None
     versions: tuple[str, ...]          # B policy versions the rows were sampled with
     scores: dict[str, list[float]]     # '<scorer>/<score>' -> values of OK rows
@@ -35,7 +163,7 @@ class Batch:
     # rows sharing one SDE window (Flow-GRPO-Fast draws one per prompt group): (rows (R,), the
     # rows' trajectories concatenated); empty for ODE rollouts
     window_groups: tuple[tuple[torch.Tensor, Trajectory], ...] = ()
-    uncond: Condition | None = None    # B rows of CFG's unconditional branch; None without CFG
+    uncond: Condition | ConditionRows | None = None   # B rows of CFG's unconditional branch
     inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the forward's
     # per-request inputs (condition media, position ids), (B, ...) each, as the rollout had them
     seeds: tuple[int, ...] = ()        # B rollout seeds: each row's training draws derive from it
@@ -126,12 +254,13 @@ def canonical_media(requests: Sequence[RolloutRequest]) -> list[dict[MediaRole, 
              normalize_media(r.media, r.task, r.request_id).items()} for r in requests]
 
 
-def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
+def build_batch(learner: Learner | StageConditions, prompts: Sequence[PromptBundle],
                 outputs: Sequence[RolloutOutput], samplings: Sequence[SamplingSpec],
                 media: Sequence[Mapping[MediaRole, torch.Tensor] | None] | None = None) -> Batch:
-    """Flatten RolloutOutputs (one per prompt) into rows; the condition is re-encoded by the
-    trainer from the same PromptBundles that were sent, the per-request forward inputs from
-    the same condition media (`media[i]`, canonical roles) and sampling sizes."""
+    """Flatten RolloutOutputs (one per prompt) into rows; the conditions are the encoder
+    stage's by reference (`StageConditions`) or re-encoded by an in-process `Learner` from the
+    same PromptBundles that were sent; the per-request forward inputs from the same condition
+    media (`media[i]`, canonical roles) and sampling sizes."""
     family = learner.family
     states, rewards, groups, versions = [], [], [], []
     scores: dict[str, list[float]] = {}
@@ -154,10 +283,9 @@ def build_batch(learner: Learner, prompts: Sequence[PromptBundle],
         for name, vals in out.rewards.values.items():
             per_scorer.setdefault(name, []).extend(float("nan") if v is None else v for v in vals)
     repeats = [len(o.seeds) for o in outputs]
-    cond = learner.encode(prompts).repeat_rows(repeats)
-    uncond = None        # CFG rollouts: each row's unconditional branch, as the graph formed it
-    if doubles_rows(family.spec.guidance, samplings[0].guidance_scale):
-        uncond = learner.uncond(prompts).repeat_rows(repeats)
+    # CFG rollouts: each row's unconditional branch too, as the graph formed it
+    cond, uncond = learner.conditions(
+        prompts, outputs, repeats, doubles_rows(family.spec.guidance, samplings[0].guidance_scale))
     windows = _window_groups([o.trajectory for o in outputs], repeats)
     weights = dict(outputs[0].rewards.weights)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),

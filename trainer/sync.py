@@ -4,7 +4,9 @@ rollout graph through the policy store.
 Each version is packed into one contiguous buffer (contract.PackedTensors), `ray.put` once and
 registered under a run-unique name (`<run>/v3`, `<run>/old-2`, `<run>/probe`); rollout replicas
 fetch it on demand when a request names it. The trainer keeps views of the packed tensors of
-recent versions so it can recompute log-probs at version parity.
+recent versions so it can recompute log-probs at version parity. A version a learner worker
+already put (an object ref to its PackedTensors, checked finite there) is registered as it is:
+the trainer keeps the reference, and fetches the tensors only when asked (`tensors_of`).
 """
 from __future__ import annotations
 
@@ -38,11 +40,15 @@ class PolicyPublisher:
     def version(self, name: str) -> str:
         return f"{self.run_tag}/{name}"
 
-    def publish(self, name: str, step: int, tensors: Mapping[str, torch.Tensor] | PackedTensors,
+    def publish(self, name: str, step: int,
+                tensors: Mapping[str, torch.Tensor] | PackedTensors | ray.ObjectRef,
                 scale: float) -> tuple[str, float]:
-        """Put + register one version; returns (version, seconds spent)."""
+        """Put + register one version; returns (version, seconds spent). An ObjectRef (a
+        learner worker's export) is registered without a fetch or a put."""
         t0 = time.perf_counter()
         version = self.version(name)
+        if isinstance(tensors, ray.ObjectRef):
+            return self._register(version, step, scale, tensors, None, t0, t0, t0)
         packed = (tensors if isinstance(tensors, PackedTensors)    # one buffer: one fetch
                   else PackedTensors.pack(tensors))
         bad = nonfinite_keys(packed.unpack())   # a NaN policy would fail every request
@@ -52,12 +58,16 @@ class PolicyPublisher:
                                  actual=f"{len(bad)} tensors", request_id=version)
         t1 = time.perf_counter()
         ref = ray.put(packed)
-        t2 = time.perf_counter()
+        return self._register(version, step, scale, ref, packed.unpack(), t0, t1,
+                              time.perf_counter())
+
+    def _register(self, version: str, step: int, scale: float, ref, tensors, t0: float,
+                  t1: float, t2: float) -> tuple[str, float]:
         incarnation = ray.get(self.store.publish.remote(version, step, scale, [ref], self.kind,
                                                         self.run_tag))
         self.last_phases = {"pack_s": t1 - t0, "put_s": t2 - t1,
                             "register_s": time.perf_counter() - t2}
-        self.tensors[version] = packed.unpack()     # the published snapshot, not the caller's
+        self.tensors[version] = tensors     # the published snapshot (None: fetched on demand)
         self.steps[version] = step
         self.scales[version] = scale
         self._refs[version] = ref
@@ -93,4 +103,13 @@ class PolicyPublisher:
             raise PolicyVersionError("the trainer no longer holds this version's tensors",
                                      field="policy_version", expected=list(self.tensors),
                                      actual=version)
-        return self.tensors[version]
+        held = self.tensors[version]
+        return held if held is not None else ray.get(self._refs[version]).unpack()
+
+    def ref_of(self, version: str):
+        """The object ref of a version this publisher holds (a learner fetches it itself)."""
+        if version not in self._refs:
+            raise PolicyVersionError("the trainer no longer holds this version",
+                                     field="policy_version", expected=list(self._refs),
+                                     actual=version)
+        return self._refs[version]
