@@ -3,6 +3,8 @@
     python -m bench.plan --config configs/cluster_t2va_64gpu.yaml --gpus 64 \\
         --costs bench/costs/av30b_h200.json [--samples-per-step 256] [--learner-gpus 8]
     python -m bench.plan --config configs/train_sd35_gpu.yaml --gpus 64 --learner-gpus auto
+    python -m bench.plan --memory configs/train_sd35_gpu.yaml [--architecture all]   (bytes per
+        process at real sizes from meta-device modules: bench/memory_plan.py)
 
 Reads the graph config (which stages exist, the devices one replica of each holds: num_gpus,
 or etp x num_gpus_per_shard + num_gpus for the encoder; num_cpus for a CPU cost file; a trainer
@@ -326,6 +328,10 @@ def parse_learner_devices(value: str, devices: float) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+    if "--memory" in (sys.argv[1:] if argv is None else argv):   # bench/memory_plan.py
+        from bench.memory_plan import main as memory_main
+        return memory_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path,
                         help="a graph config, or a trainer config (its graph and batch)")

@@ -1,0 +1,408 @@
+"""Memory plan at real sizes: every process's model bytes from the architecture's own modules,
+built on torch's meta device (no memory, no weights) from the configuration values.
+
+    python -m bench.plan --memory configs/train_sd35_gpu.yaml [--architecture NAME|all]
+        [--workers 2 4 8] [--etp 1 2 4 8] [--markdown]
+
+Per process, in bytes (GB = 1e9 B):
+  encoder shard   the text encoders at each ETP degree: the weights the tensor-parallel plan
+                  splits (Linear / Embedding) / etp + the rest (norms) whole; weights in
+                  `encoder.dtype`
+  rollout         the transformer(s) in `rollout.dtype` (+ the VAE encoder of a task with
+                  condition media); activations: one block's live tensors at
+                  `max_batch_rows` rows (doubled under CFG) of the sampling size's tokens
+  decoder         each latent's decoder components in `decoder.dtype`
+  learner         per worker, DDP (LoRA: the whole model and adapter on each) or FSDP2 (full
+                  weights: the fp32 masters, their gradients, AdamW's two moments and the
+                  frozen old / reference copies sharded over N): parameters, gradients,
+                  optimizer state, and activations of `micro_batch_size` rows
+  controller      0: the trainer process loads no model beside a worker group
+                  (trainer/distributed.py)
+Parameters, gradients and optimizer state are exact counts of the built modules; activations
+are an ESTIMATE: per block, rows x tokens x hidden x bytes x a factor (inference 4 + ffn / hidden
+for one block's live tensors; training without checkpointing 16 + 2 ffn / hidden per block,
+with gradient checkpointing one block's worth plus each block's saved input). Fit: the sum
+against 80 GB (H100) and 141 GB (H200), no allowance for the CUDA context or fragmentation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from contract import ConfigError, PolicyKind, SamplingSpec, Task
+
+GPUS = {"80GB": 80e9, "141GB": 141e9}
+ARCHITECTURE_FAMILY = {"sd3.5-medium": "sd3", "sd3.5-large": "sd3", "flux.1-dev": "flux",
+                       "wan2.1-t2v-14b": "wan", "wan2.2-t2v-a14b": "wan", "ltx-2": "ltx2",
+                       "qwen-image": "qwen_image", "minimax-h3": "minimax_h3"}
+# adapter options a description needs to build its family (Wan's UniPC table stepped by Euler)
+ARCHITECTURE_OPTIONS = {"wan2.1-t2v-14b": {"unipc": "flow_euler"},
+                        "wan2.2-t2v-a14b": {"unipc": "flow_euler"}}
+CONDITIONED_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA)
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- modules on the meta device ---------------------------------------------------------------
+def meta_module(root: Path, component: str) -> nn.Module:
+    """One checkpoint component built on the meta device from its config (no weights)."""
+    from adapters.checkpoint import component_class, read_model_index
+    cls = component_class(read_model_index(root), component, root)
+    folder = root / component
+    with torch.device("meta"):
+        if hasattr(cls, "from_config") and hasattr(cls, "load_config"):      # diffusers
+            return cls.from_config(cls.load_config(folder))
+        config = cls.config_class.from_pretrained(folder)                    # transformers
+        return cls(config)
+
+
+@dataclass(frozen=True)
+class ModuleCount:
+    """What a built module holds: parameters (elements), the part a tensor-parallel plan
+    splits (Linear / Embedding weights), its blocks and widths."""
+
+    params: int
+    split_params: int
+    blocks: int
+    hidden: int
+    ffn: int
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "ModuleCount":
+        params = sum(p.numel() for p in module.parameters())
+        split = sum(p.numel() for p in {id(p): p for m in module.modules()
+                                        if isinstance(m, (nn.Linear, nn.Embedding))
+                                        for p in m.parameters(recurse=False)}.values())
+        lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)
+                 and len(m) > 1 and all(type(c) is type(m[0]) for c in m)]
+        blocks = sum(len(m) for m in lists if not any(m is not o and _inside(m, o)
+                                                      for o in lists))
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        hidden = max((m.in_features for m in linears), key=lambda n: sum(
+            1 for x in linears if x.in_features == n), default=0)
+        wider = [m.out_features for m in linears
+                 if m.in_features == hidden and m.out_features > hidden]
+        ffn = max(set(wider), key=wider.count) if wider else 4 * hidden   # the MLP's width
+        return cls(params, split, blocks, hidden, ffn)
+
+
+def _inside(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(inner is m for m in outer.modules())
+
+
+def count_components(root: Path, components: Sequence[str]) -> dict[str, ModuleCount]:
+    return {c: ModuleCount.of(meta_module(root, c)) for c in components}
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+@dataclass
+class ProcessMemory:
+    process: str
+    parameters: int
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0        # estimate
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def fits(self) -> dict[str, bool]:
+        return {name: self.total <= size for name, size in GPUS.items()}
+
+
+@dataclass
+class MemoryPlan:
+    architecture: str
+    settings: dict[str, Any]
+    components: dict[str, dict[str, int]]
+    processes: list[ProcessMemory] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "settings": self.settings,
+                "components": self.components,
+                "processes": [asdict(p) | {"total": p.total, "fits": p.fits()}
+                              for p in self.processes]}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the shipped config decides about memory (trainer + graph config)."""
+
+    encoder_dtype: str
+    rollout_dtype: str
+    decoder_dtype: str
+    learner_dtype: str
+    fine_tune: PolicyKind
+    lora_rank: int
+    workers: int
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    max_batch_rows: int
+    guidance_scale: float
+    height: int | None
+    width: int | None
+    num_frames: int | None
+    task: Task | None
+    etp: int
+
+    @classmethod
+    def from_config(cls, path: Path) -> tuple["Settings", Any]:
+        import yaml
+        raw = yaml.safe_load(Path(path).read_text())
+        if isinstance(raw, dict) and "graph" in raw:
+            from trainer.config import load_trainer_config
+            cfg = load_trainer_config(path)
+            graph, learner, sampler = cfg.graph_config(), cfg.learner, cfg.sampler
+            return cls(graph.encoder.dtype, graph.rollout.dtype, graph.decoder.dtype,
+                       learner.dtype, PolicyKind(learner.fine_tune), cfg.lora.rank,
+                       learner.workers, learner.micro_batch_size or
+                       cfg.prompts_per_step * cfg.samples_per_prompt // learner.workers,
+                       learner.gradient_checkpointing, graph.rollout.limits.max_batch_rows,
+                       sampler.guidance_scale, sampler.height, sampler.width,
+                       getattr(sampler, "num_frames", None), cfg.task,
+                       graph.encoder.etp), graph
+        from deployments.config import load_graph_config
+        graph = load_graph_config(path)
+        return cls(graph.encoder.dtype, graph.rollout.dtype, graph.decoder.dtype, "bfloat16",
+                   PolicyKind.LORA, 32, 1, 1, True, graph.rollout.limits.max_batch_rows, 4.5,
+                   None, None, None, None, graph.encoder.etp), graph
+
+
+def _architecture_family(name: str, graph) -> tuple[str, Path, Any]:
+    """(family name, description folder, the family built from it, weights-free)."""
+    from adapters.architectures import architecture_root
+    from adapters.registry import get_family
+    root = architecture_root(name)
+    adapter = ARCHITECTURE_FAMILY.get(name, graph.adapter if graph is not None else None)
+    if adapter is None:
+        raise ConfigError("no family is known for this architecture", field="architecture",
+                          expected=sorted(ARCHITECTURE_FAMILY), actual=name)
+    options = graph.adapter_options if graph is not None and graph.rollout.architecture == name \
+        else ARCHITECTURE_OPTIONS.get(name, {})
+    return adapter, root, get_family(adapter, str(root), options)
+
+
+def _tokens(family, counts: Mapping[str, ModuleCount], sampling: SamplingSpec,
+            root: Path) -> int:
+    """Image / video tokens of one row: the sampler state's elements over the transformer's
+    input channels (and its patch, for an unpacked latent) + the longest text encoder's
+    window (the text tokens it attends to; an estimate)."""
+    component = family.spec.transformers[0]
+    config = json.loads((root / component / "config.json").read_text())
+    shape = family.codec.state_shape(sampling)
+    elements = math.prod(shape)
+    channels = int(config.get("in_channels") or config.get("in_dim") or shape[0])
+    patch = config.get("patch_size") or 1
+    patch_elems = math.prod(patch) if isinstance(patch, (list, tuple)) else patch * patch
+    packed = shape[-1] == channels and len(shape) <= 2
+    tokens = elements // channels // (1 if packed else patch_elems)
+    text = max((e.max_length for e in family.spec.encoders), default=0)
+    return int(tokens + text)
+
+
+def plan_memory(architecture: str, settings: Settings, graph=None,
+                workers: Sequence[int] = (2, 4, 8), etps: Sequence[int] = (1, 2, 4, 8),
+                root_override: Path | None = None, config_size: bool = True) -> MemoryPlan:
+    """The plan of one architecture under the config's settings. Sizes: the config's sampler
+    (config_size), else the family's defaults. root_override: a checkpoint folder to read the
+    configs from instead of the description (the config's own adapter)."""
+    if root_override is not None:
+        from adapters.registry import get_family
+        root = root_override
+        family = get_family(graph.adapter, str(root), graph.adapter_options)
+    else:
+        _, root, family = _architecture_family(architecture, graph)
+    spec = family.spec
+    encoders = {e.name: e.component for e in spec.encoders}
+    extra = [c for e in spec.encoders for c in e.extra_components]
+    decoders = sorted({c for cs in spec.decoders.values() for c in cs})
+    counts = count_components(root, [*spec.transformers, *encoders.values(), *extra,
+                                     *decoders, *spec.media_encoders])
+    defaults = dict(spec.sampling_defaults)
+    size = {k: v for k, v in (("height", settings.height), ("width", settings.width),
+                              ("num_frames", settings.num_frames)) if v}
+    if not config_size:               # another architecture: its own sizes
+        size = {k: v for k, v in defaults.items() if k in ("height", "width", "num_frames")}
+    sampling = SamplingSpec(**{**{k: v for k, v in defaults.items()
+                                  if k in ("height", "width", "num_frames")}, **size},
+                            guidance_scale=settings.guidance_scale, seeds=(0,))
+    from diffusion.step import doubles_rows
+    cfg_rows = 2 if doubles_rows(spec.guidance, settings.guidance_scale) else 1
+    tokens = _tokens(family, counts, sampling, root)
+    plan = MemoryPlan(architecture, asdict(settings) | {
+        "sampling": {k: getattr(sampling, k) for k in ("height", "width", "num_frames")},
+        "tokens_per_row": tokens, "cfg_rows": cfg_rows},
+        {c: {"params": n.params, "blocks": n.blocks, "hidden": n.hidden, "ffn": n.ffn}
+         for c, n in counts.items()})
+    # text encoders, one shard at each ETP degree
+    enc_b = dtype_bytes(settings.encoder_dtype)
+    text_tokens = max((e.max_length for e in spec.encoders), default=0)
+    for etp in sorted({*etps, settings.etp}):
+        params = sum((counts[c].split_params / etp + counts[c].params - counts[c].split_params)
+                     for c in [*encoders.values(), *extra])
+        act = sum(settings.max_batch_rows * cfg_rows * text_tokens * counts[c].hidden
+                  * (4 + counts[c].ffn / max(counts[c].hidden, 1) / etp) * enc_b
+                  for c in encoders.values())
+        plan.processes.append(ProcessMemory(f"encoder shard (etp={etp})", int(params * enc_b),
+                                            activations=int(act)))
+    # rollout replica
+    roll_b = dtype_bytes(settings.rollout_dtype)
+    conditioned = settings.task in CONDITIONED_TASKS
+    params = sum(counts[c].params for c in spec.transformers) * roll_b
+    if conditioned:
+        params += sum(counts[c].params for c in spec.media_encoders) * roll_b
+    main = counts[spec.transformers[0]]
+    rows = settings.max_batch_rows * cfg_rows
+    act = rows * tokens * main.hidden * (4 + main.ffn / max(main.hidden, 1)) * roll_b
+    plan.processes.append(ProcessMemory("rollout replica", int(params), activations=int(act),
+                                        note=f"{rows} rows x {tokens} tokens"))
+    # decoders
+    dec_b = dtype_bytes(settings.decoder_dtype)
+    for latent, components in sorted(spec.decoders.items()):
+        plan.processes.append(ProcessMemory(
+            f"decoder {latent}", int(sum(counts[c].params for c in components) * dec_b)))
+    # learner workers
+    learn_b = dtype_bytes(settings.learner_dtype)
+    trained = sum(counts[c].params for c in spec.transformers)
+    micro = settings.micro_batch_size * cfg_rows
+    per_block = micro * tokens * main.hidden * learn_b
+    blocks = max(main.blocks, 1)
+    if settings.gradient_checkpointing:
+        act = per_block * (blocks + 16 + 2 * main.ffn / max(main.hidden, 1))
+    else:
+        act = per_block * blocks * (16 + 2 * main.ffn / max(main.hidden, 1))
+    media = sum(counts[c].params for c in spec.media_encoders) * learn_b if conditioned else 0
+    lora = lora_params(family, root, settings.lora_rank)
+    plan.processes.append(ProcessMemory(          # DDP: the whole model on every worker
+        f"learner worker (DDP, LoRA r{settings.lora_rank}, any N)",
+        int(trained * learn_b + 2 * lora * 4 + media), gradients=int(lora * 4),
+        optimizer=int(2 * lora * 4), activations=int(act),
+        note="the transformer in the learner dtype + adapters 'default' and 'old' in fp32"))
+    for n in sorted(set(workers)):                # FSDP2: full weights sharded over n
+        masters, frozen = trained * 4, 2 * trained * learn_b     # + old and reference copies
+        plan.processes.append(ProcessMemory(
+            f"learner worker (FSDP2, full, N={n})", int((masters + frozen) / n + media),
+            gradients=int(trained * 4 / n), optimizer=int(2 * trained * 4 / n),
+            activations=int(act), note="fp32 masters, old + reference copies, AdamW"))
+    plan.processes.append(ProcessMemory("controller (trainer process)", 0,
+                                        note="no model beside a worker group"))
+    return plan
+
+
+def lora_params(family, root: Path, rank: int) -> int:
+    """Elements of one LoRA adapter of `rank` on the family's declared targets."""
+    total = 0
+    for component in family.spec.transformers:
+        targets = tuple(family.spec.lora_targets.get(component, ()))
+        module = meta_module(root, component)
+        for name, m in module.named_modules():
+            if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t)
+                                                for t in targets):
+                total += rank * (m.in_features + m.out_features)
+    return total
+
+
+# ---- output --------------------------------------------------------------------------------------
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def format_summary(plans: Sequence[MemoryPlan]) -> str:
+    """One markdown row per architecture: each process's total GB, and where it fits."""
+    def cell(plan: MemoryPlan, prefix: str) -> str:
+        p = next((p for p in plan.processes if p.process.startswith(prefix)), None)
+        if p is None:
+            return "-"
+        fit = "80" if p.total <= GPUS["80GB"] else "141" if p.total <= GPUS["141GB"] else "none"
+        return f"{gb(p.total)} ({fit})"
+    fsdp = sorted({p.process for plan in plans for p in plan.processes
+                   if p.process.startswith("learner worker (FSDP2")},
+                  key=lambda n: int(n.split("N=")[1].rstrip(")")))
+    head = ["architecture", "size, tokens / row", "encoder etp=1", "encoder etp=4",
+            "rollout replica", "decoder (largest)", "learner DDP LoRA",
+            *(f"learner FSDP2 full {n.split('(')[1].split(', ')[-1].rstrip(')')}"
+              for n in fsdp)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for plan in plans:
+        size = plan.settings["sampling"]
+        frames = f"x{size['num_frames']}f" if (size.get("num_frames") or 1) > 1 else ""
+        decoders = [p for p in plan.processes if p.process.startswith("decoder")]
+        largest = max(decoders, key=lambda p: p.total).process if decoders else "decoder"
+        lines.append("| " + " | ".join([
+            plan.architecture,
+            f"{size['height']}x{size['width']}{frames}, {plan.settings['tokens_per_row']}",
+            cell(plan, "encoder shard (etp=1)"), cell(plan, "encoder shard (etp=4)"),
+            cell(plan, "rollout replica"), cell(plan, largest),
+            cell(plan, "learner worker (DDP"), *(cell(plan, n) for n in fsdp)]) + " |")
+    return "\n".join(lines)
+
+
+def format_plan(plan: MemoryPlan, markdown: bool = False) -> str:
+    head = ["process", "params GB", "grads GB", "optim GB", "activ. GB (est.)", "total GB",
+            "80 GB", "141 GB"]
+    rows = [[p.process, gb(p.parameters), gb(p.gradients), gb(p.optimizer), gb(p.activations),
+             gb(p.total), *("yes" if ok else "NO" for ok in p.fits().values())]
+            for p in plan.processes]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(r, widths))
+                     for r in [head, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory", required=True, type=Path, metavar="CONFIG")
+    parser.add_argument("--architecture", default=None,
+                        help="a shipped description, or 'all' (default: the config's)")
+    parser.add_argument("--workers", type=int, nargs="+", default=None)
+    parser.add_argument("--etp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--summary", action="store_true",
+                        help="one markdown row per architecture (docs/CLUSTER.md)")
+    parser.add_argument("--out", type=Path, default=None, help="write the plans as JSON")
+    args = parser.parse_args(argv)
+    settings, graph = Settings.from_config(args.memory)
+    workers = args.workers or sorted({settings.workers, 2, 4, 8})
+    if args.architecture == "all":
+        from adapters.architectures import names
+        archs = [a for a in names() if a in ARCHITECTURE_FAMILY]
+    else:
+        archs = [args.architecture or graph.rollout.architecture]
+        if archs[0] is None:
+            raise ConfigError("the config names no architecture description",
+                              field="rollout.architecture", actual=None)
+    plans = []
+    for arch in archs:
+        own = arch == graph.rollout.architecture
+        plan = plan_memory(arch, settings, graph, workers, args.etp, config_size=own)
+        plans.append(plan)
+        if args.summary:
+            continue
+        title = f"{arch} ({'the config' if own else 'its default size'}: " \
+                f"{plan.settings['sampling']}, {plan.settings['tokens_per_row']} tokens / row)"
+        print(f"\n### {title}\n" if args.markdown else f"\n{title}")
+        print(format_plan(plan, args.markdown))
+    if args.summary:
+        print(format_summary(plans))
+    if args.out:
+        args.out.write_text(json.dumps([p.to_json() for p in plans], indent=1) + "\n")
+    return 0
+
+
+__all__ = ["MemoryPlan", "ProcessMemory", "Settings", "plan_memory", "format_plan", "main"]
