@@ -1,8 +1,9 @@
-"""Groupwise and latent scorers in the deployed tiny_t2i graph, through handles: PickScore_Rank
-ranks each request's group in its scorer deployment, the latent head reads the rollout's latent
-(equal to the head applied to the returned latent), a one-sample group is refused before any
-stage, and a graph whose only scorer reads the latent runs no decoder for a caller that asks for
-the latent only."""
+"""The new rewards in the deployed tiny_t2i graph, through handles: PickScore_Rank ranks each
+request's group in its scorer deployment, the pairwise judge (a real tiny VLM behind an
+OpenAI-compatible server on 127.0.0.1) gives each group's win rates, GenEval reads each request's
+GenEval metadata (tiny Mask2Former), the latent head reads the rollout's latent (equal to the head
+applied to the returned latent); a one-sample group is refused before any stage, and a graph
+whose only scorer reads the latent runs no decoder for a caller that asks for the latent only."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,17 @@ def files(tmp_path_factory):
     head = {"proj.weight": torch.randn(6, 4, generator=g), "proj.bias": torch.randn(6, generator=g),
             "out.weight": torch.randn(1, 6, generator=g), "out.bias": torch.randn(1, generator=g)}
     save_file(head, str(root / "head.safetensors"))
-    return {"clip": ps.write_hf_clip_dir(root / "clip"), "head": str(root / "head.safetensors")}
+    from testing.detector_snapshots import write_tiny_mask2former
+    return {"clip": ps.write_hf_clip_dir(root / "clip"), "head": str(root / "head.safetensors"),
+            "detector": write_tiny_mask2former(root / "m2f", ("circle", "square"))}
+
+
+@pytest.fixture(scope="module")
+def judge_url():
+    from testing.http_servers import serve
+    from tests.tiny_vlm_server import TinyVLMServer
+    with serve(TinyVLMServer().app()) as url:
+        yield url
 
 
 def _latent_scorer(files) -> dict:
@@ -49,17 +60,27 @@ def _deploy(ray_cluster, config):
 
 
 @pytest.fixture(scope="module")
-def graph(ray_cluster, files):
+def graph(ray_cluster, files, judge_url):
     rank = {"name": "rank", "scorer": {"kind": "pickscore_rank",
                                        "params": {"model_dir": files["clip"]}},
             "inputs": ["image"]}
-    handle, delete = _deploy(ray_cluster, _config(APP, [rank, _latent_scorer(files)]))
+    pairwise = {"name": "pairwise", "inputs": ["image"], "scorer": {
+        "kind": "vlm_pairwise", "params": {"base_url": f"{judge_url}/v1", "model": "tiny-llava"}}}
+    geneval = {"name": "geneval", "inputs": ["image"], "scorer": {"kind": "geneval", "params": {
+        "detector_dir": files["detector"], "clip_dir": files["clip"], "threshold": 0.0}}}
+    handle, delete = _deploy(ray_cluster, _config(APP, [rank, _latent_scorer(files), pairwise,
+                                                        geneval]))
     yield handle
     delete()
 
 
+PROMPT = "a red circle at the top left"
+GENEVAL = {"tag": "colors", "prompt": PROMPT,
+           "include": [{"class": "circle", "count": 1, "color": "red"}]}
+
+
 def _request(adapter, seeds, **kw) -> RolloutRequest:
-    bundle = adapter.conditioner.tokenize(["a red circle at the top left"])[0]
+    bundle = adapter.conditioner.tokenize([PROMPT])[0]
     return RolloutRequest(prompt=bundle, task=Task.T2I,
                           sampling=SamplingSpec(num_steps=4, seeds=seeds), **kw)
 
@@ -74,13 +95,15 @@ def _local_head(files, z: torch.Tensor) -> list[float]:
     return list(out.scores["latent_reward"])
 
 
-def test_rank_per_group_and_latent_head_through_handles(graph, files):
+def test_new_rewards_score_each_group_through_handles(graph, files):
     from adapters.registry import get_family
     from deployments.client import RolloutClient
     adapter = get_family("tiny_t2i")
     client = RolloutClient(graph)
-    reqs = [_request(adapter, (0, 1, 2, 3), requested_artifacts=("image_latent",)),
-            _request(adapter, (10, 11, 12), requested_artifacts=("image_latent",))]
+    reqs = [_request(adapter, (0, 1, 2, 3), requested_artifacts=("image_latent",),
+                     metadata=GENEVAL),
+            _request(adapter, (10, 11, 12), requested_artifacts=("image_latent",),
+                     metadata=GENEVAL)]
     outs = client.rollout(reqs)
     for out, n in zip(outs, (4, 3)):
         assert set(out.artifacts) == {"image_latent"}
@@ -89,15 +112,29 @@ def test_rank_per_group_and_latent_head_through_handles(graph, files):
         head = out.rewards.by_scorer["latent"].scores["latent_reward"]
         assert head == pytest.approx(_local_head(files, out.artifacts["image_latent"].data),
                                      rel=1e-5)
-        assert "decode_image_latent_s" in out.metrics          # decoded for the rank scorer
+        assert "decode_image_latent_s" in out.metrics          # decoded for the image scorers
+        wins = out.rewards.by_scorer["pairwise"].scores["win_rate"]
+        assert sum(wins) == pytest.approx(n / 2)                  # n(n-1)/2 wins over n - 1
+        assert all(w * (n - 1) == pytest.approx(round(w * (n - 1))) for w in wins)
+        assert set(out.rewards.by_scorer["geneval"].scores["correct"]) <= {0.0, 1.0}
 
 
 def test_a_one_sample_group_is_refused_before_any_stage(graph):
     from adapters.registry import get_family
     from deployments.client import RolloutClient
     with pytest.raises(InvalidRequestError) as e:
-        RolloutClient(graph).rollout([_request(get_family("tiny_t2i"), (5,))])
+        RolloutClient(graph).rollout([_request(get_family("tiny_t2i"), (5,), metadata=GENEVAL)])
     assert e.value.field == "sampling.seeds" and "rank" in e.value.message
+
+
+def test_geneval_metadata_of_another_prompt_is_the_clients_error(graph):
+    from adapters.registry import get_family
+    from contract import UnscorableInputError
+    from deployments.client import RolloutClient
+    other = dict(GENEVAL, prompt="a photo of a square")
+    with pytest.raises(UnscorableInputError) as e:
+        RolloutClient(graph).rollout([_request(get_family("tiny_t2i"), (1, 2), metadata=other)])
+    assert e.value.field == "metadata[0].prompt" and e.value.http_status == 422
 
 
 def test_latent_only_graph_runs_no_decoder(ray_cluster, files):
