@@ -462,6 +462,18 @@ def _override(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def check_group_sizes(cfg: "TrainerConfig", graph: GraphConfig) -> None:
+    """A groupwise scorer (rewards/groupwise.py) compares each sample with its prompt group, so
+    every request the trainer sends needs two or more samples: the training groups have them
+    (samples_per_prompt >= 2), evaluation must too. A ConfigError naming the field."""
+    groupwise = [s.name for s in graph.scorers if s.scorer.groupwise]
+    if groupwise and cfg.eval.samples_per_prompt < 2:
+        raise ConfigError(f"groupwise scorers {groupwise} compare the samples of a prompt "
+                          "group: evaluation needs two or more per prompt",
+                          field="eval.samples_per_prompt", expected=">= 2",
+                          actual=cfg.eval.samples_per_prompt)
+
+
 HOLD_MARGIN = 2.0     # the holder's TTL over the longest a batch's outputs wait to be collected
 
 
