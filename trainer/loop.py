@@ -28,7 +28,7 @@ from deployments.failures import RetryBudget
 from trainer import checks
 from trainer.algorithms import old_decay
 from trainer.checkpointing import TrainerCheckpoints
-from trainer.config import PipelineMode, TrainerConfig, check_holder_ttl
+from trainer.config import PipelineMode, TrainerConfig, check_group_sizes, check_holder_ttl
 from trainer.distributed import LearnerEMA, build_learners
 from trainer.evaluation import TrainerEvaluation
 from trainer.learner import Learner
@@ -73,6 +73,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         self.cfg = cfg
         self.graph = cfg.graph_config()
         check_holder_ttl(cfg, self.graph)      # before any weight loads
+        check_group_sizes(cfg, self.graph)
         self.family = get_family(self.graph.adapter, self.graph.weights_path,
                                  self.graph.adapter_options)
         self.client = client or RolloutClient.connect(self.graph.app_name)
