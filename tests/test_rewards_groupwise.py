@@ -349,3 +349,17 @@ def test_ingress_plans_no_decode_for_a_latent_scorer_and_refuses_a_group_of_one(
         ingress([latent, rank])._validate(one)
     assert e.value.field == "sampling.seeds" and e.value.actual == 1
     ingress([latent])._validate(one)              # a pointwise graph takes it
+
+
+def test_a_trainer_evaluating_groups_of_one_with_a_groupwise_scorer_is_refused(clip_dir):
+    from deployments.config import load_graph_config
+    from trainer.config import TrainerConfig, check_group_sizes
+    graph = load_graph_config({"rollout": {"adapter": "tiny_t2i"}, "scorers": [
+        {"name": "rank", "inputs": ["image"],
+         "scorer": {"kind": "pickscore_rank", "params": {"model_dir": clip_dir}}}]})
+    with pytest.raises(ConfigError) as e:
+        check_group_sizes(TrainerConfig(eval={"samples_per_prompt": 1}), graph)
+    assert e.value.field == "eval.samples_per_prompt" and e.value.actual == 1
+    check_group_sizes(TrainerConfig(eval={"samples_per_prompt": 2}), graph)
+    check_group_sizes(TrainerConfig(eval={"samples_per_prompt": 1}),
+                      load_graph_config({"rollout": {"adapter": "tiny_t2i"}}))
