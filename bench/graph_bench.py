@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile")
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(1)
 
     import ray
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                      for name, r in runs.items()},
         "ingress_bytes": main_run["ingress_bytes"], "ingress_bytes_goal": 0,
         "delivered_bytes_per_call": main_run["delivered_bytes_per_call"],
-        "cpu_count": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(), "machine_note": args.note,
+        "load_avg_1m_at_start": load_start, "load_avg_1m_at_end": os.getloadavg()[0],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "graph.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -276,6 +276,11 @@ class EmbeddedEngine:
                                       "shapes", field="negative", expected=cond.batch_key(),
                                       actual=negative.batch_key(), request_id=rid)
         inputs = {k: v.to(self.device) for k, v in media.inputs.items()}
+        if request.forks and any(v.shape[0] != 1 for v in inputs.values()):
+            raise InvalidRequestError("a tree rollout takes media inputs shared by its rows",
+                                      field="forks", expected="media inputs of one row",
+                                      actual={k: v.shape[0] for k, v in inputs.items()},
+                                      request_id=rid)
         key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
                        media.batch_key())
         tree = RolloutTree.build(sampling.seeds, request.forks) if request.forks else None
