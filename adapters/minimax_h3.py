@@ -49,9 +49,9 @@ from adapters.diffusers_parts import TokenizingConditioner, encoder_vocab_size
 from adapters.family import (CheckpointFamily, Codec, EncoderSpec, ETPPlan, FamilySpec,
                              MediaCondition, Overflow, check_latent_shape, request_errors)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
-                      IOSpec, Layout, MediaFormatError, MediaRole, Modality, PromptBundle,
-                      Representation, RequestLimits, RolloutRequest, SamplingSpec, Task,
-                      TimeConvention)
+                      IOSpec, Layout, LimitExceededError, MediaFormatError, MediaRole, Modality,
+                      PromptBundle, Representation, RequestLimits, RolloutRequest, SamplingSpec,
+                      Task, TimeConvention)
 from diffusion.guidance import GuidanceRule
 
 QWEN3_VL = "qwen3_vl"                       # the encoder's name (keys its ids in a PromptBundle)
@@ -556,14 +556,14 @@ class MiniMaxH3Denoiser:
 class Qwen3VLConditioner(TokenizingConditioner):
     """Prompts -> Qwen3-VL ids (verbatim, no chat template, no special tokens:
     encoders.py MiniMaxH3TextEncoderStep) -> hidden_states[50] of the language model, run
-    unpadded per prompt as the pipeline runs one request; rows padded to the batch's longest
-    with `text_length` saying how many are real."""
+    unpadded per prompt as the pipeline runs one request; rows padded to the encoder window
+    (`max_sequence_length`, which a presentation with its vision blocks must fit too) with
+    `text_length` saying how many are real (the denoiser reads only those)."""
 
     def tokenize_one(self, encoder: EncoderSpec, text: str,
                      field: str) -> tuple[tuple[int, ...], bool]:
         ids = self.tokenizer(encoder)(text, add_special_tokens=False)["input_ids"]
         if len(ids) > encoder.max_length:
-            from contract import LimitExceededError
             raise LimitExceededError("prompt is longer than the encoder window", field=field,
                                      expected=f"<= {encoder.max_length} {encoder.name} tokens",
                                      actual=len(ids))
@@ -602,12 +602,19 @@ class Qwen3VLConditioner(TokenizingConditioner):
         hidden = [self.hidden(encoder, p.ids_by_encoder(names)[QWEN3_VL]) for p in prompts]
         return self.rows(hidden, [torch.full((h.shape[1],), TEXT_TAG) for h in hidden])
 
-    @staticmethod
-    def rows(hidden: Sequence[torch.Tensor], tags: Sequence[torch.Tensor]) -> Condition:
-        longest = max(h.shape[1] for h in hidden)
-        embeds = torch.zeros(len(hidden), longest, hidden[0].shape[-1], dtype=hidden[0].dtype,
+    def rows(self, hidden: Sequence[torch.Tensor], tags: Sequence[torch.Tensor]) -> Condition:
+        """Per-prompt hidden states (1, L_i, D) -> rows padded to the encoder window (one shape
+        for every condition of a run, which the trainer checks), `text_length` the real rows;
+        a presentation longer than the window is refused by name."""
+        window = self.spec.encoder(QWEN3_VL).max_length
+        for i, h in enumerate(hidden):
+            if h.shape[1] > window:
+                raise LimitExceededError("the prompt with its keyframes' vision blocks is longer "
+                                         "than the encoder window", field=f"prompts[{i}].{QWEN3_VL}",
+                                         expected=f"<= {window}", actual=int(h.shape[1]))
+        embeds = torch.zeros(len(hidden), window, hidden[0].shape[-1], dtype=hidden[0].dtype,
                              device=hidden[0].device)
-        text_tags = torch.zeros(len(hidden), longest, dtype=torch.long)
+        text_tags = torch.zeros(len(hidden), window, dtype=torch.long)
         for i, (h, t) in enumerate(zip(hidden, tags)):
             embeds[i, :h.shape[1]] = h[0]
             text_tags[i, :h.shape[1]] = t
