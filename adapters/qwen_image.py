@@ -18,13 +18,13 @@ As QwenImagePipeline (diffusers 0.42.1, pipeline_qwenimage.py):
   model time   timestep = 1000 sigma, the transformer gets timestep / 1000 (NOISE_LEVEL)
   guidance     true CFG with norm rescaling: `do_true_cfg = true_cfg_scale > 1 and
                has_neg_prompt` (:564); comb = v_u + g (v_c - v_u), v = comb |v_c| / |comb| over
-               each token's channels (:669-672): diffusion/guidance.py NORM_RESCALED_CFG. The
+               each token's channels (:668-672): diffusion/guidance.py NORM_RESCALED_CFG. The
                request's guidance_scale is the pipeline's true_cfg_scale. The pipeline guides
                only with a negative prompt, so a request guided above 1 without one is refused
                (naming prompt.negative), never guided with an invented unconditional prompt.
   decode       unpack, z * std + mean per channel, vae.decode(...)[:, :, 0] (:705-714)
 The text encoder's window rejects prompts longer than `max_sequence_length` embedding tokens
-(the pipeline cuts the embeddings silently, :245).
+(the pipeline cuts the embeddings silently, :255).
 """
 from __future__ import annotations
 

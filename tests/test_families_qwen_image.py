@@ -112,7 +112,7 @@ class TestQwenImage(FamilyConformance):
 
 
 def test_norm_rescaled_cfg_is_the_pipelines_formula():
-    """pipeline_qwenimage.py:669-672 on random tensors: comb = u + g (c - u), then
+    """pipeline_qwenimage.py:668-672 on random tensors: comb = u + g (c - u), then
     comb * |c| / |comb| over the last axis; a per-row scale as the engine passes it."""
     g = torch.Generator().manual_seed(0)
     u, c = torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 8, generator=g)
