@@ -45,8 +45,8 @@ from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, Flo
 from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, MediaCondition,
                              OneLatentCodec, Overflow, image_io_spec, request_errors)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
-                      LimitExceededError, MediaFormatError, MediaRole, PromptBundle, RequestLimits, RolloutRequest,
-                      SamplingSpec, Task, TimeConvention)
+                      LimitExceededError, MediaFormatError, MediaRole, PromptBundle,
+                      RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import GuidanceRule
 
 FLUX_LORA_TARGETS = (

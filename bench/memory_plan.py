@@ -45,7 +45,7 @@ ARCHITECTURE_FAMILY = {"sd3.5-medium": "sd3", "sd3.5-large": "sd3", "flux.1-dev"
 # adapter options a description needs to build its family (Wan's UniPC table stepped by Euler)
 ARCHITECTURE_OPTIONS = {"wan2.1-t2v-14b": {"unipc": "flow_euler"},
                         "wan2.2-t2v-a14b": {"unipc": "flow_euler"}}
-CONDITIONED_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA)
+CONDITIONED_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA, Task.EDIT)
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from contract import (InvalidRequestError, LimitExceededError, MediaFormatError, MediaInput, MediaRole, Modality,
-                      RequestLimits, RolloutRequest, SamplingSpec, Task)
+from contract import (InvalidRequestError, LimitExceededError, MediaFormatError, MediaInput,
+                      MediaRole, Modality, RequestLimits, RolloutRequest, SamplingSpec, Task)
 from tests.family_conformance import PROMPTS, FamilyConformance
 
 torch.set_num_threads(1)
