@@ -48,10 +48,11 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "ltx2": {"prompts": [CLIP_CAPTION], "height": 64, "width": 96, "num_frames": 9,
              "guidance_scale": 3.0},     # LTX-2 guides audio: guidance 1 is refused
     "qwen_image": {"prompts": [SHAPE_CAPTION], "height": 32, "width": 48},
+    "minimax_h3": {"prompts": [CLIP_CAPTION], "height": 32, "width": 64, "num_frames": 124},
 }
 # the tiny checkpoint (scripts/tiny_checkpoints.py Family) a family's config is pointed at
 CHECKPOINTS = {"sd3": "sd3", "flux": "flux", "wan": "wan22", "ltx2": "ltx2",
-               "qwen_image": "qwen_image"}
+               "qwen_image": "qwen_image", "minimax_h3": "minimax_h3"}
 
 
 def serve_config_files() -> list[Path]:
