@@ -472,13 +472,15 @@ def test_gpu_recipe_validates_with_the_reports_settings(minimax_root):
     assert gpu.task is Task.FL2VA and gpu.algorithm.value == "nft"
     assert (gpu.sampler.height, gpu.sampler.width) == (288, 448)
     assert graph.encoder.etp == 4 and graph.encoder.num_gpus_per_shard > 0
-    # devices: one per ETP shard, per rollout replica (at most), per learner worker; the two
-    # decoders fit beside the shards
-    devices = (graph.encoder.etp
-               + graph.rollout_stage.autoscaling.max_replicas * graph.rollout_stage.num_gpus
+    # devices: one per ETP shard (nccl ranks cannot share one), per rollout replica (more than
+    # half a GPU each, so two never share one), per learner worker; the two decoders fit beside
+    # the rollout replicas
+    assert graph.encoder.num_gpus_per_shard == 1 and graph.rollout_stage.num_gpus > 0.5
+    replicas = graph.rollout_stage.autoscaling.max_replicas
+    devices = (graph.encoder.etp + replicas
                + gpu.learner.workers * gpu.learner.resources_per_worker["GPU"])
     assert devices == 8
-    assert 2 * graph.decoder.num_gpus <= graph.encoder.etp * (1 - graph.encoder.num_gpus_per_shard)
+    assert 2 * graph.decoder.num_gpus <= replicas * (1 - graph.rollout_stage.num_gpus)
     assert check_family_etp(MiniMaxH3Family(minimax_root), graph.encoder.etp) == 4
     for key in ("algorithm", "sampler.sampler", "sampler.guidance_scale", "nft.beta",
                 "optimizer.lr", "learner.gradient_checkpointing"):
