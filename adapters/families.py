@@ -144,10 +144,15 @@ FAMILIES: tuple[FamilyEntry, ...] = (
     FamilyEntry(
         "qwen_image", "adapters.qwen_image:QwenImageFamily",
         "adapters.qwen_image:QwenImageOptions",
-        ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+        ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
+         "QwenImageEditPipeline"),
         (TinyCheckpoint("qwen_image", "QwenImagePipeline",
                         "scripts.tiny_qwen_image:qwen_image_parts",
-                        SampleSize(64, 96, max_sequence_length=32)),)),
+                        SampleSize(64, 96, max_sequence_length=32)),
+         # a processor feeds the edit's source image to the vision tower: the folder edits
+         TinyCheckpoint("qwen_image_edit", "QwenImageEditPipeline",
+                        "scripts.tiny_qwen_image:qwen_image_edit_parts",
+                        SampleSize(64, 96, max_sequence_length=48)))),
 )
 
 ENTRIES: dict[str, FamilyEntry] = {entry.name: entry for entry in FAMILIES}

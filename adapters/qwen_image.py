@@ -25,11 +25,33 @@ As QwenImagePipeline (diffusers 0.42.1, pipeline_qwenimage.py):
   decode       unpack, z * std + mean per channel, vae.decode(...)[:, :, 0] (:705-714)
 The text encoder's window rejects prompts longer than `max_sequence_length` embedding tokens
 (the pipeline cuts the embeddings silently, :255).
+
+Edit (Qwen-Image-Edit, QwenImageEditPipeline, pipeline_qwenimage_edit.py): a folder with a
+`processor` (Qwen2VLProcessor) serves the edit task only (its transformer is trained on the edit
+presentation; the ids are made once per prompt in the edit template):
+  source size  the pipeline resizes the source image to about 1024 x 1024 pixels at its aspect
+               ratio, sides multiples of 32 (calculate_dimensions :155-162, :624, :662). Nothing
+               is resized here: the source image must already be at that size
+               (`edit_source_size`), any other is a MediaFormatError naming media.image and the
+               size it must have.
+  ids          the prompt in the edit template (:212) with one <|image_pad|>, expanded to the
+               source's vision tokens (image_grid_thw / merge^2) as the processor expands it
+               (:241); the vision tower reads the processor's pixel values of the source image
+               (the processor's own patching, part of the encoder, as in the pipeline)
+  embeds       hidden_states[-1] with the template's first 64 tokens dropped
+               (`prompt_template_encode_start_idx`, :213; checked at load), so the vision block
+               stays in the condition; zero-padded to `max_sequence_length` with a mask (the
+               pipeline does not bound them: a longer presentation is refused by name)
+  negative     encoded with the same source image (:689-697)
+  source       VAE posterior mode, (z - mean) / std, packed, appended after the noise tokens;
+               img_shapes [(1, h/16, w/16), (1, sh/16, sw/16)] (:712-717); the velocity is the
+               first h w / 256 tokens of the output (:782); guidance as text-to-image (:797-801)
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,12 +60,13 @@ from torch import nn
 
 from adapters.checkpoint import read_json
 from adapters.diffusers_parts import FlowSchedule, TokenizingConditioner, encoder_vocab_size
+from adapters.flux import check_source_image
 from adapters.family import (CheckpointFamily, EncoderSpec, ETPPlan, FamilySpec,
                              MediaCondition, OneLatentCodec, Overflow, check_latent_shape,
                              image_io_spec, request_errors, unit_to_uint8)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
-                      PromptBundle, RequestLimits, RolloutRequest, SamplingSpec, Task,
-                      TimeConvention)
+                      LimitExceededError, MediaFormatError, MediaRole, PromptBundle,
+                      RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import NORM_RESCALED_CFG, CFGRule, GuidanceRule
 
 QWEN = "qwen"                         # the encoder's name (keys its ids in a PromptBundle)
@@ -53,6 +76,24 @@ T2I_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, 
                 "texture, quantity, text, spatial relationships of the objects and background:"
                 "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 T2I_DROP = 34                          # pipeline_qwenimage.py:176
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, "
+                 "size, texture, objects, background), then explain how the user's text "
+                 "instruction should alter or modify the image. Generate a new image that meets "
+                 "the user's requirements while maintaining consistency with the original input "
+                 "where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|>"
+                 "<|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+EDIT_DROP = 64                         # pipeline_qwenimage_edit.py:213
+EDIT_SOURCE_AREA = 1024 * 1024         # pipeline_qwenimage_edit.py:624
+IMAGE_PAD = "<|image_pad|>"
+SOURCE_LATENTS = "source_latents"      # media input of an edit row: the packed source image
+
+
+def edit_source_size(height: int, width: int) -> tuple[int, int]:
+    """(height, width) QwenImageEditPipeline resizes a source image of this size to
+    (calculate_dimensions(1024 * 1024, width / height), pipeline_qwenimage_edit.py:155-162)."""
+    ratio = width / height
+    w = math.sqrt(EDIT_SOURCE_AREA * ratio)
+    return round(w / ratio / 32) * 32, round(w / 32) * 32
 
 QWEN_IMAGE_LORA_TARGETS = (
     # dual-stream blocks: image stream, text stream (names as the QwenImage LoRA loader saves)
@@ -116,10 +157,10 @@ class QwenConditioner(TokenizingConditioner):
         self.template, self.drop = template, drop
 
     def check_template(self) -> None:
-        """The template before the prompt (system turn + user header) must be exactly the
-        `drop` tokens the pipeline drops."""
+        """The template before the prompt (system turn + user header; before the vision block
+        of the edit template) must be exactly the `drop` tokens the pipeline drops."""
         tok = self.tokenizer(self.spec.encoder(QWEN))
-        prefix = self.template.split("{}")[0]
+        prefix = self.template.split("{}")[0].split("<|vision_start|>")[0]
         count = len(tok(prefix)["input_ids"])
         if count != self.drop:
             raise ConfigError("the tokenizer does not make the template's system part the "
@@ -153,6 +194,74 @@ class QwenConditioner(TokenizingConditioner):
         return Condition({"prompt_embeds": embeds, "prompt_mask": keep})
 
 
+class QwenEditConditioner(QwenConditioner):
+    """QwenImageEditPipeline's prompt encoding: each prompt shown with its source image (media
+    role `image`) to Qwen2.5-VL; a prompt without its image is refused (naming media)."""
+
+    media_roles = (MediaRole.IMAGE,)
+
+    def processor(self):
+        """The checkpoint's Qwen2VLProcessor (its image processor makes the vision inputs)."""
+        if "processor" not in self._tokenizers:
+            from adapters.checkpoint import load_component
+            self._tokenizers["processor"] = load_component(self.root, "processor")
+        return self._tokenizers["processor"]
+
+    def encode(self, encoders, prompts):
+        raise InvalidRequestError("a Qwen-Image-Edit prompt is encoded with its source image",
+                                  field="media", expected=[MediaRole.IMAGE.value], actual=[])
+
+    def vision_inputs(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """pixel_values / image_grid_thw of a uint8 (3, H, W) source as the pipeline's
+        processor makes them from the PIL image it holds (:241)."""
+        from PIL import Image
+        pil = Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).cpu().numpy()))
+        vision = self.processor().image_processor(images=[pil], return_tensors="pt")
+        return {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
+
+    def presentation_ids(self, prompt: PromptBundle, grid: torch.Tensor) -> list[int]:
+        """The prompt's ids with its one <|image_pad|> expanded to the source's vision tokens."""
+        tok = self.tokenizer(self.spec.encoder(QWEN))
+        pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        ids = list(prompt.ids_by_encoder(self.spec.encoder_names)[QWEN])
+        count = int(grid.prod()) // self.processor().image_processor.merge_size ** 2
+        at = ids.index(pad)
+        return ids[:at] + [pad] * count + ids[at + 1:]
+
+    def encode_with_media(self, encoders, prompts: Sequence[PromptBundle],
+                          media: Sequence[Mapping[MediaRole, torch.Tensor]]) -> Condition:
+        encoder = encoders[QWEN]
+        param = next(encoder.parameters())
+        window = self.spec.encoder(QWEN).max_length - self.drop
+        rows = []
+        for i, (prompt, item) in enumerate(zip(prompts, media)):
+            if MediaRole.IMAGE not in item:
+                raise InvalidRequestError("a Qwen-Image-Edit prompt is encoded with its source "
+                                          "image", field=f"media[{i}]",
+                                          expected=[MediaRole.IMAGE.value],
+                                          actual=sorted(r.value for r in item))
+            vision = self.vision_inputs(item[MediaRole.IMAGE])
+            ids = torch.tensor([self.presentation_ids(prompt, vision["image_grid_thw"])])
+            if ids.shape[1] - self.drop > window:
+                raise LimitExceededError("the prompt with its source image's vision tokens is "
+                                         "longer than the encoder window",
+                                         field=f"prompts[{i}].{QWEN}", expected=f"<= {window}",
+                                         actual=ids.shape[1] - self.drop)
+            with torch.no_grad():
+                hidden = encoder(input_ids=ids.to(param.device),
+                                 attention_mask=torch.ones_like(ids).to(param.device),
+                                 pixel_values=vision["pixel_values"].to(param.device, param.dtype),
+                                 image_grid_thw=vision["image_grid_thw"].to(param.device),
+                                 output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+            rows.append(hidden[0, self.drop:])
+        embeds = rows[0].new_zeros(len(rows), window, rows[0].shape[-1])
+        keep = torch.zeros(len(rows), window, dtype=torch.long, device=rows[0].device)
+        for i, row in enumerate(rows):
+            embeds[i, :row.shape[0]] = row
+            keep[i, :row.shape[0]] = 1
+        return Condition({"prompt_embeds": embeds, "prompt_mask": keep})
+
+
 class QwenImageDenoiser:
     time_convention = TimeConvention.NOISE_LEVEL
     model_time_scale = 1000.0       # the pipeline's timestep; the transformer gets it / 1000
@@ -160,8 +269,11 @@ class QwenImageDenoiser:
 
     def forward(self, models, state, sigma, model_time, cond: Condition, media, guidance):
         shapes = [tuple(int(v) for v in s) for s in media["img_shapes"][0].tolist()]
+        source = media.get(SOURCE_LATENTS)        # edit: the source image's tokens follow
+        hidden = state if source is None else torch.cat(
+            [state, source.to(state.dtype).expand(state.shape[0], -1, -1)], dim=1)
         return models["transformer"](
-            hidden_states=state, timestep=model_time.to(state.dtype) / 1000, guidance=None,
+            hidden_states=hidden, timestep=model_time.to(state.dtype) / 1000, guidance=None,
             encoder_hidden_states=cond["prompt_embeds"],
             encoder_hidden_states_mask=cond["prompt_mask"],
             img_shapes=[shapes] * state.shape[0], return_dict=False)[0][:, :state.shape[1]]
@@ -206,14 +318,40 @@ class QwenImageCodec(OneLatentCodec):
         rows, cols = self.grid(sampling)
         return (rows * cols, self.in_channels)
 
+    def source_grid(self, image: torch.Tensor) -> tuple[int, int]:
+        """The packed grid of an edit's source image: uint8 (3, H, W) at the size the pipeline
+        would resize it to (`edit_source_size`); any other size is refused, never resized."""
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+            raise MediaFormatError("an edit's source image is uint8 (3, H, W) RGB",
+                                   field="media.image", expected="uint8 (3, H, W)",
+                                   actual=f"{image.dtype} {tuple(image.shape)}")
+        height, width = int(image.shape[1]), int(image.shape[2])
+        expected = edit_source_size(height, width)
+        if (height, width) != expected:
+            raise MediaFormatError("Qwen-Image-Edit takes the source image at the size its "
+                                   "pipeline resizes it to (about 1024 x 1024 pixels at its "
+                                   "aspect ratio, sides multiples of 32); nothing is resized",
+                                   field="media.image", expected=f"(3, {expected[0]}, "
+                                   f"{expected[1]})", actual=f"{tuple(image.shape)}")
+        multiple = 2 * self.vae.scale_factor
+        return height // multiple, width // multiple
+
     def encode_media(self, modules, sampling, media) -> MediaCondition:
-        if media:
-            raise InvalidRequestError("Qwen-Image text-to-image takes no condition media",
-                                      field="media", expected=[],
-                                      actual=sorted(r.value for r in media))
+        extra = sorted(r.value for r in media if r is not MediaRole.IMAGE)
+        if extra:
+            raise InvalidRequestError("Qwen-Image takes a source image (edit) or no media",
+                                      field="media", expected=[MediaRole.IMAGE.value],
+                                      actual=extra)
         rows, cols = self.grid(sampling)
-        return MediaCondition(inputs={"img_shapes": torch.tensor([[[1, rows, cols]]])},
-                              key=(rows, cols))
+        if MediaRole.IMAGE not in media:
+            return MediaCondition(inputs={"img_shapes": torch.tensor([[[1, rows, cols]]])},
+                                  key=(rows, cols))
+        source = media[MediaRole.IMAGE]
+        src_rows, src_cols = self.source_grid(source)
+        packed = pack(self.vae.encode(modules["vae"], source[None]))
+        shapes = torch.tensor([[[1, rows, cols], [1, src_rows, src_cols]]])
+        return MediaCondition(inputs={"img_shapes": shapes, SOURCE_LATENTS: packed},
+                              key=(rows, cols, src_rows, src_cols))
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
@@ -224,13 +362,18 @@ class QwenImageCodec(OneLatentCodec):
 
 
 class QwenImageFamily(CheckpointFamily):
-    """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512)."""
+    """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512) and QwenImageEditPipeline
+    ones (Qwen-Image-Edit: a `processor` component, the edit task only)."""
 
     entry_name = "qwen_image"
     template, drop = T2I_TEMPLATE, T2I_DROP
+    edit_template, edit_drop = EDIT_TEMPLATE, EDIT_DROP
 
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root, options)
+        self.edits = "processor" in self.index        # the vision input of the source image
+        if self.edits:
+            self.template, self.drop = self.edit_template, self.edit_drop
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = QwenImageVAE(self.root)
@@ -250,13 +393,16 @@ class QwenImageFamily(CheckpointFamily):
                                 encoder_vocab_size(self.root, "text_encoder")),)
         side = 128 * vae.scale_factor       # the pipeline's default_sample_size x VAE: 1024 px
         self.spec = FamilySpec(
-            name="qwen_image", io_spec=image_io_spec(Layout.TOKENS), tasks={Task.T2I: ()},
+            name="qwen_image", io_spec=image_io_spec(Layout.TOKENS),
+            tasks={Task.EDIT: (MediaRole.IMAGE,)} if self.edits else {Task.T2I: ()},
+            media_encoders=("vae",) if self.edits else (),
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
             guidance=QWEN_IMAGE_GUIDANCE, transformers=("transformer",),
             lora_targets={"transformer": QWEN_IMAGE_LORA_TARGETS}, encoders=encoders,
             decoders={"image_latent": ("vae",)},
             sampling_defaults={"height": side, "width": side, "num_frames": 1})
-        self.conditioner = QwenConditioner(self.spec, self.root, self.template, self.drop)
+        self.conditioner = (QwenEditConditioner if self.edits else QwenConditioner)(
+            self.spec, self.root, self.template, self.drop)
         self.conditioner.check_template()
         self.denoiser = QwenImageDenoiser()
         self.codec = QwenImageCodec(vae, packed)
@@ -286,4 +432,7 @@ class QwenImageFamily(CheckpointFamily):
         media = super().validate_request(request, limits)
         with request_errors(request.request_id):
             self.sigmas(request.sampling)
+            if MediaRole.IMAGE in media:         # an edit's source image, before any work
+                check_source_image(media[MediaRole.IMAGE], limits)
+                self.codec.source_grid(media[MediaRole.IMAGE])
         return media

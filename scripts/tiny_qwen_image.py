@@ -103,3 +103,24 @@ def qwen_image_parts(seed: int) -> Parts:
             num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True,
             time_shift_type="exponential", invert_sigmas=False, use_beta_sigmas=False,
             use_exponential_sigmas=False, use_karras_sigmas=False)})
+
+
+def qwen_image_edit_processor(tokenizer):
+    """Qwen2VLProcessor as QwenImageEditPipeline loads it: the checkpoint's tokenizer and a
+    Qwen2-VL image processor of the tiny vision tower's patching (14 px patches, 2x2 merge, 2
+    frames) bounded to at most 56 x 56 pixels, so a source image becomes 2 x 2 vision tokens."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                            min_pixels=28 * 28, max_pixels=56 * 56)
+    video_processor = Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
+    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=video_processor)
+
+
+def qwen_image_edit_parts(seed: int) -> Parts:
+    """QwenImageEditPipeline layout: Qwen-Image's components (the edit transformer is Qwen-Image's
+    class and config) and the processor that feeds the source image to the vision tower."""
+    parts = qwen_image_parts(seed)
+    processor = qwen_image_edit_processor(parts.components["tokenizer"])
+    return Parts(components={**parts.components, "processor": processor})

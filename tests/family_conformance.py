@@ -52,8 +52,9 @@ from adapters.families import ENTRIES
 from adapters.inference_form import modules_with_suffix
 from adapters.lora_files import load_diffusers_lora, save_diffusers_lora
 from adapters.registry import get_family
-from contract import (ConfigError, InvalidRequestError, RequestLimits, RewardReport, RolloutOutput,
-                      RolloutRequest, SamplerKind, SamplingSpec, StartupCheckError, Task)
+from contract import (Condition, ConfigError, InvalidRequestError, RequestLimits, RewardReport,
+                      RolloutOutput, RolloutRequest, SamplerKind, SamplingSpec, StartupCheckError,
+                      Task)
 from diffusion.noise import initial_noise
 from diffusion.step import applied_guidance_scale, doubles_rows, predict_velocity
 from rollout.engine import EmbeddedEngine
@@ -178,6 +179,15 @@ class FamilyChecks:
     def task_of(self, fam) -> Task:
         return self.task or next(iter(fam.spec.tasks))
 
+    def encode(self, fam, encoders, bundles) -> Condition:
+        """The bundles' conditions as the encoder stage makes them: with the request's media of
+        the roles the conditioner reads itself (Conditioner.media_roles), else from the ids."""
+        roles = fam.conditioner.media_roles
+        item = {m.role: m.data for m in (self.request_media() or ()) if m.role in roles}
+        if item:
+            return fam.conditioner.encode_with_media(encoders, bundles, [item] * len(bundles))
+        return fam.conditioner.encode(encoders, bundles)
+
     # ---- fixtures -----------------------------------------------------------------------------
     @pytest.fixture(scope="class")
     def root(self) -> Path | None:
@@ -291,9 +301,9 @@ class FamilyChecks:
         request = self.probe_request(fam, sampling)
         media = fam.validate_request(request, RequestLimits())
         conditioner = fam.conditioner
-        cond = conditioner.encode(learner.encoders, [request.prompt])
-        negative = conditioner.encode(learner.encoders,
-                                      [conditioner.unconditional(request.prompt)]) \
+        cond = self.encode(fam, learner.encoders, [request.prompt])
+        negative = self.encode(fam, learner.encoders,
+                               [conditioner.unconditional(request.prompt)]) \
             if doubles_rows(fam.spec.guidance, sampling.guidance_scale) else None
         engine = EmbeddedEngine(fam, fam.load_transformers(), fam.load_media_encoders())
         try:
@@ -371,10 +381,10 @@ class FamilyConformance(FamilyChecks):
         request = RolloutRequest(prompt=bundle, sampling=sampling,
                                  task=self.task_of(fam), media=self.request_media())
         media = fam.validate_request(request, RequestLimits())
-        cond = conditioner.encode(encoders, [bundle])
+        cond = self.encode(fam, encoders, [bundle])
         negative = None
         if doubles_rows(fam.spec.guidance, sampling.guidance_scale):
-            negative = conditioner.encode(encoders, [conditioner.unconditional(bundle)])
+            negative = self.encode(fam, encoders, [conditioner.unconditional(bundle)])
         latents = fam.io_spec.latent_needed(fam.io_spec.defaults)
         result = engine.submit(EngineRequest(request, cond, negative, latents, media,
                                              "base")).result(timeout=300)
@@ -536,12 +546,12 @@ class FamilyConformance(FamilyChecks):
         request = RolloutRequest(prompt=bundle, sampling=sampling,
                                  task=self.task_of(fam), media=self.request_media())
         guided = doubles_rows(rule, scale)
-        negative = fam.conditioner.encode(encoders, [fam.conditioner.unconditional(bundle)]) \
+        negative = self.encode(fam, encoders, [fam.conditioner.unconditional(bundle)]) \
             if guided else None
         strategy = DiffusionStrategy(RolloutConfig(adapter=self.family, weights_path=str(root),
                                                    adapter_options=self.options),
                                      fam, engine, RequestLimits())
-        out = asyncio.run(strategy.generate(request, fam.conditioner.encode(encoders, [bundle]),
+        out = asyncio.run(strategy.generate(request, self.encode(fam, encoders, [bundle]),
                                             negative))
         assert out.trajectory.guidance_scale == applied_guidance_scale(rule, scale)
         x0 = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))

@@ -1,0 +1,151 @@
+"""Qwen-Image-Edit: the edit task of the Qwen-Image family on its tiny checkpoint
+(QwenImageEditPipeline layout: Qwen-Image's components and a Qwen2VLProcessor) against
+QwenImageEditPipeline (tests/family_conformance.py, task edit), plus what is particular to it:
+the source image shown to Qwen2.5-VL (image-dependent ids, the edit template's 64 dropped
+tokens), the source latents appended to the sequence, and the source size the pipeline would
+resize to, required here."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from contract import (InvalidRequestError, LimitExceededError, MediaFormatError, MediaInput,
+                      MediaRole, Modality, RequestLimits, RolloutRequest, SamplingSpec, Task)
+from tests.family_conformance import NEGATIVE, PROMPTS, FamilyConformance
+
+torch.set_num_threads(1)
+SOURCE_SIZE = (1024, 1024)    # the size QwenImageEditPipeline resizes a square source to
+
+
+def source_image(inverted: bool = False) -> torch.Tensor:
+    """A seeded uint8 (3, H, W) picture with structure (stripes + noise), or its negative."""
+    g = torch.Generator().manual_seed(3)
+    h, w = SOURCE_SIZE
+    stripes = (torch.arange(w)[None, :] // 64 % 2 * 160 + torch.arange(h)[:, None] // 16)
+    noise = torch.randint(0, 60, (3, h, w), generator=g)
+    image = (stripes[None] + noise).clamp(0, 255).to(torch.uint8)
+    return 255 - image if inverted else image
+
+
+class TestQwenImageEdit(FamilyConformance):
+    family, checkpoint = "qwen_image", "qwen_image_edit"
+    task = Task.EDIT
+    options = {"max_sequence_length": 48}
+    size = {"height": 64, "width": 96}
+    other_sizes = ({"height": 128, "width": 128},)
+    bad_size = {"height": 64, "width": 88}
+    guidance_scale = 4.0
+    negative = True
+    steps = 2
+    sigma_steps = (2, 3)     # 1 step: the scheduler's shift_terminal divides 0 by 0
+    inverted = False
+
+    # the components are tiny Qwen-Image's (tests/test_families_qwen_image.py::TestQwenImage
+    # checks the task-independent parts on them); the learner re-encodes text only, so the
+    # edit's in-process learner checks are not run here
+    test_token_ids_are_the_tokenizers_and_reach_the_encoders = None
+    test_every_pipeline_class_over_the_components_loads = None
+    test_every_declared_lora_target_exists = None
+    test_lora_file_round_trip_through_diffusers_loader = None
+    test_engine_and_learner_sde_log_probs_agree = None
+    test_each_stage_loads_only_its_components = None
+
+    def request_media(self):
+        return (MediaInput(Modality.IMAGE, MediaRole.IMAGE, source_image(self.inverted)),)
+
+    def pipeline(self, root):
+        from diffusers import QwenImageEditPipeline
+        return QwenImageEditPipeline.from_pretrained(root, local_files_only=True)
+
+    def pipeline_call(self, pipe, x0, output_type):
+        from PIL import Image
+        image = Image.fromarray(source_image(self.inverted).permute(1, 2, 0).numpy())
+        # one prompt, a row per seed: with a list of prompts the pipeline's processor call
+        # counts one <|image_pad|> per prompt against one image and raises
+        return pipe(image=image, prompt=PROMPTS[0], negative_prompt=NEGATIVE,
+                    num_images_per_prompt=x0.shape[0], true_cfg_scale=self.guidance_scale,
+                    latents=x0,
+                    num_inference_steps=self.steps, output_type=output_type, **self.size)
+
+    def pipeline_sigmas(self, fam, scheduler, sampling):
+        n = sampling.num_steps
+        seq = fam.codec.state_shape(sampling)[0]
+        scheduler.set_timesteps(sigmas=list(np.linspace(1.0, 1 / n, n)), mu=fam.schedule.mu(seq))
+        return scheduler.sigmas.float()
+
+    def test_the_folder_serves_the_edit_task(self, fam):
+        assert dict(fam.spec.tasks) == {Task.EDIT: (MediaRole.IMAGE,)}
+        assert fam.spec.media_encoders == ("vae",) and fam.drop == 64
+
+    def test_presentation_ids_and_embeddings_are_the_pipelines(self, fam, encoders, pipe):
+        """The ids with the source's vision tokens are the processor's; the embeddings are the
+        pipeline's own encode_prompt rows (64 template tokens dropped, the vision block kept)."""
+        from PIL import Image
+        conditioner = fam.conditioner
+        bundle = conditioner.tokenize([PROMPTS[1]])[0]
+        image = source_image()
+        vision = conditioner.vision_inputs(image)
+        ours = conditioner.presentation_ids(bundle, vision["image_grid_thw"])
+        pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+        theirs = pipe.processor(text=[fam.template.format(PROMPTS[1])], images=[pil],
+                                padding=True, return_tensors="pt")
+        assert ours == theirs["input_ids"][0].tolist()
+        assert torch.equal(vision["pixel_values"], theirs["pixel_values"])
+        cond = conditioner.encode_with_media(encoders, [bundle], [{MediaRole.IMAGE: image}])
+        embeds, mask = pipe.encode_prompt(PROMPTS[1], image=pil, device="cpu")
+        valid = int(cond["prompt_mask"][0].sum())
+        assert valid == embeds.shape[1] == len(ours) - 64 and mask is None
+        assert cond["prompt_embeds"].shape[1] == 48
+        diff = float((cond["prompt_embeds"][0, :valid] - embeds[0].detach()).abs().max())
+        print(f"qwen_image_edit prompt_embeds: max |ours - encode_prompt| = {diff:.3g}")
+        assert diff <= 1e-6 and not cond["prompt_embeds"][0, valid:].any()
+
+    def test_the_source_image_conditions_the_edit(self, fam, engine, encoders):
+        sampling = self.sampling(seeds=(5,))
+        edited = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling)
+        self.inverted = True
+        try:
+            changed = self.engine_latents(fam, engine, encoders, PROMPTS[1], sampling)
+        finally:
+            self.inverted = False
+        diff = float((edited["image_latent"] - changed["image_latent"]).abs().max())
+        print(f"qwen_image_edit: source image inverted moves the latents by {diff:.3g}")
+        assert diff > 1e-3, diff      # fp32 noise is ~1e-6
+
+    def test_edit_bad_input_is_typed_and_names_the_field(self, fam, encoders):
+        bundle = fam.conditioner.tokenize([PROMPTS[0]], [NEGATIVE])[0]
+        sampling = SamplingSpec(seeds=(0,), num_steps=2, **self.size)
+        with pytest.raises(InvalidRequestError) as err:        # an edit without its image
+            fam.validate_request(RolloutRequest(prompt=bundle, sampling=sampling,
+                                                task=Task.EDIT), RequestLimits())
+        assert err.value.field == "media" and err.value.expected == ["image"]
+        with pytest.raises(InvalidRequestError) as err:        # nor encoded without it
+            fam.conditioner.encode(encoders, [bundle])
+        assert err.value.field == "media"
+        with pytest.raises(InvalidRequestError) as err:
+            fam.conditioner.encode_with_media(encoders, [bundle], [{}])
+        assert err.value.field == "media[0]"
+        # a size the pipeline would resize: refused, naming the size it must have
+        for shape, expected in (((3, 512, 512), "(3, 1024, 1024)"),
+                                ((3, 64, 96), "(3, 832, 1248)")):
+            image = torch.zeros(shape, dtype=torch.uint8)
+            request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+                MediaInput(Modality.IMAGE, MediaRole.IMAGE, image),))
+            with pytest.raises(MediaFormatError) as err:       # refused before any work
+                fam.validate_request(request, RequestLimits())
+            assert err.value.field == "media.image" and err.value.expected == expected
+            assert str(shape) in err.value.actual and err.value.request_id == request.request_id
+        wide = torch.zeros(3, 832, 1248, dtype=torch.uint8)    # its own size, over the bound
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+            MediaInput(Modality.IMAGE, MediaRole.IMAGE, wide),))
+        with pytest.raises(LimitExceededError) as err:
+            fam.validate_request(request, RequestLimits())
+        assert err.value.field == "media.image" and err.value.actual == (3, 832, 1248)
+        fam.validate_request(request, RequestLimits(max_width=1248))
+        gray = torch.zeros(1, 1024, 1024, dtype=torch.uint8)   # a mode the family does not take
+        request = RolloutRequest(prompt=bundle, sampling=sampling, task=Task.EDIT, media=(
+            MediaInput(Modality.IMAGE, MediaRole.IMAGE, gray),))
+        with pytest.raises(InvalidRequestError) as err:
+            fam.validate_request(request, RequestLimits())
+        assert err.value.field.startswith("media")
