@@ -41,14 +41,14 @@ class TestQwenImageEdit(FamilyConformance):
     sigma_steps = (2, 3)     # 1 step: the scheduler's shift_terminal divides 0 by 0
     inverted = False
 
-    # the components are tiny Qwen-Image's (tests/test_families_qwen_image.py::TestQwenImage
-    # checks the task-independent parts on them); the learner re-encodes text only, so the
-    # edit's in-process learner checks are not run here
+    # the components are tiny Qwen-Image's: tests/test_families_qwen_image.py::TestQwenImage
+    # checks the task-independent parts on them (LoRA targets and file, stage loading); the
+    # ids are checked with their vision tokens below. Edit Plus (its multi-image presentation)
+    # is not served, so the class check over these components is not run.
     test_token_ids_are_the_tokenizers_and_reach_the_encoders = None
     test_every_pipeline_class_over_the_components_loads = None
     test_every_declared_lora_target_exists = None
     test_lora_file_round_trip_through_diffusers_loader = None
-    test_engine_and_learner_sde_log_probs_agree = None
     test_each_stage_loads_only_its_components = None
 
     def request_media(self):

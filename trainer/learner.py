@@ -166,26 +166,38 @@ class Learner:
 
     # ---- conditions -------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prompts: Sequence[PromptBundle]) -> Condition:
-        """The trainer's own encoders on the ids exactly as sent: P rows."""
-        return self.family.conditioner.encode(self.encoders, list(prompts)).to("cpu")
+    def encode(self, prompts: Sequence[PromptBundle],
+               media: Sequence[Mapping | None] | None = None) -> Condition:
+        """The trainer's own encoders on the ids exactly as sent: P rows. `media`: each
+        prompt's condition media; those of the roles the conditioner reads itself
+        (Conditioner.media_roles, e.g. Qwen-Image-Edit's source image) are encoded with it, as
+        the encoder stage encodes them."""
+        conditioner = self.family.conditioner
+        read = [{r: m[r] for r in conditioner.media_roles if r in m}
+                for m in ([dict(m or {}) for m in media] if media is not None else [])]
+        if any(read):
+            return conditioner.encode_with_media(self.encoders, list(prompts), read).to("cpu")
+        return conditioner.encode(self.encoders, list(prompts)).to("cpu")
 
-    def uncond(self, prompts: Sequence[PromptBundle]) -> Condition:
+    def uncond(self, prompts: Sequence[PromptBundle],
+               media: Sequence[Mapping | None] | None = None) -> Condition:
         """The unconditional branch of each prompt (its negative, or the null prompt): P rows."""
         conditioner = self.family.conditioner
-        return self.encode([conditioner.unconditional(p) for p in prompts])
+        return self.encode([conditioner.unconditional(p) for p in prompts], media)
 
     def conditions(self, prompts: Sequence[PromptBundle], outputs, repeats: Sequence[int],
-                   guided: bool) -> tuple[Condition, Condition | None]:
+                   guided: bool, media: Sequence[Mapping | None] | None = None
+                   ) -> tuple[Condition, Condition | None]:
         """Each row's condition (and unconditional branch when `guided`) re-encoded by this
-        learner's own text encoders (trainer.rollout_batch.build_batch, in-process)."""
+        learner's own text encoders (trainer.rollout_batch.build_batch, in-process), with the
+        condition media the conditioner reads itself."""
         if not self.encoders:
             raise ConfigError("this learner holds no text encoder: its conditions come from the "
                               "encoder stage (trainer.rollout_batch.StageConditions)",
                               field="encoders", expected=self.family.spec.encoder_names,
                               actual=[])
-        cond = self.encode(prompts).repeat_rows(repeats)
-        return cond, self.uncond(prompts).repeat_rows(repeats) if guided else None
+        cond = self.encode(prompts, media).repeat_rows(repeats)
+        return cond, self.uncond(prompts, media).repeat_rows(repeats) if guided else None
 
     def media_conditions(self, samplings: Sequence[SamplingSpec],
                          media: Sequence[Mapping | None] | None) -> list[MediaCondition]:

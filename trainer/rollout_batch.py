@@ -128,7 +128,7 @@ class StageConditions:
         return request_inputs(conditions, repeats)
 
     def conditions(self, prompts: Sequence[PromptBundle], outputs: Sequence[RolloutOutput],
-                   repeats: Sequence[int], guided: bool
+                   repeats: Sequence[int], guided: bool, media=None
                    ) -> tuple[ConditionRows, ConditionRows | None]:
         names = ("cond", "uncond") if guided else ("cond",)
         for out in outputs:
@@ -285,7 +285,8 @@ def build_batch(learner: Learner | StageConditions, prompts: Sequence[PromptBund
     repeats = [len(o.seeds) for o in outputs]
     # CFG rollouts: each row's unconditional branch too, as the graph formed it
     cond, uncond = learner.conditions(
-        prompts, outputs, repeats, doubles_rows(family.spec.guidance, samplings[0].guidance_scale))
+        prompts, outputs, repeats, doubles_rows(family.spec.guidance, samplings[0].guidance_scale),
+        media)
     windows = _window_groups([o.trajectory for o in outputs], repeats)
     weights = dict(outputs[0].rewards.weights)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
