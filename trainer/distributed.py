@@ -94,6 +94,7 @@ class LocalLearners:
     def __init__(self, cfg, learner: Learner, colocation: Colocation,
                  probe: ConditionHandle | None = None):
         self.cfg, self.learner, self.colocation = cfg, learner, colocation
+        self.last_timing: dict[str, float] = {}     # (a worker group's rank 0 reports its own)
         if probe is not None:
             learner.condition_signature = probe_signature(learner.family, probe)
 
@@ -150,6 +151,7 @@ class RayTrainLearners:
         self.cfg, self.colocation = cfg, colocation
         self.kind = PolicyKind(cfg.learner.fine_tune)
         self.exports: dict[str, tuple[Any, float]] = {}     # adapter -> (ref, scale)
+        self.last_timing: dict[str, float] = {}
         # the workers load a model before they report ready: more than Ray Train's default 60 s
         # on a loaded machine or for a large checkpoint (read by fit(), passed to its actors)
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(int(START_TIMEOUT_S)))
@@ -223,6 +225,7 @@ class RayTrainLearners:
             reply = self._call(Job.UPDATE, [[ref] for ref in shards])[0]
         if reply["export"] is not None:
             self.exports[TRAIN_ADAPTER] = reply["export"]
+        self.last_timing = reply["timing"]     # rank 0's condition fetch and update seconds
         return reply["metrics"]
 
     def refresh_old(self, decay: float) -> None:

@@ -280,10 +280,11 @@ def learner_worker(config: dict) -> None:
                 t1 = time.perf_counter()
                 metrics = run_update(learner, plan, cfg)
                 # rank 0's own seconds: its shard's conditions fetched, its update run
-                metrics = {**metrics, "condition_fetch_s": t1 - t0,
-                           "learner_update_s": time.perf_counter() - t1}
+                timing = {"condition_fetch_s": t1 - t0,
+                          "learner_update_s": time.perf_counter() - t1}
                 packed = _export(learner, TRAIN_ADAPTER, rank, channel)
-                result = {"metrics": metrics, "export": packed} if rank == 0 else None
+                result = {"metrics": metrics, "export": packed, "timing": timing} \
+                    if rank == 0 else None
             elif kind is Job.REFRESH:
                 learner.refresh_old(float(payload))
                 result = _export(learner, OLD_ADAPTER, rank, channel)

@@ -269,6 +269,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         # the learner's weights now are the last version it published: its old policy
         metrics.update(self.learners.update(batch, self.gen, old_version=(
             None if self.samples_with_old else self.sampling_versions[-1])))
+        metrics.update(self.learners.last_timing)      # rank 0's fetch / update seconds
         metrics["rows"] = float(batch.rows)
         metrics["dropped_stale_rows"] = float(self.dropped_stale_rows)
         metrics["rollout_retries"] = float(self.rollout_retries)
