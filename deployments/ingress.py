@@ -271,8 +271,10 @@ class RolloutGraph(HTTPFront):
             [request.prompt], self._encoder_media(media)), rid)
         negative = None
         if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
+            # the negative with the same condition media (Qwen-Image-Edit shows it the source)
             uncond = self.family.conditioner.unconditional(request.prompt)
-            negative = await self._taken("encoder", self.encoder.encode.remote([uncond]), rid)
+            negative = await self._taken("encoder", self.encoder.encode.remote(
+                [uncond], self._encoder_media(media)), rid)
         conditions = {"cond": ConditionHandle("cond", await self._encoder_version_of(), cond)}
         if negative is not None:
             conditions["uncond"] = ConditionHandle("uncond", conditions["cond"].encoder_version,

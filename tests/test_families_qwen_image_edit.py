@@ -220,3 +220,56 @@ class TestQwenImageEdit(FamilyConformance):
                                                torch.Generator().manual_seed(0))
         assert torch.isfinite(torch.tensor(metrics["loss"]))
         assert any(not torch.equal(a, b) for a, b in zip(before, learner.params))
+
+
+@pytest.mark.timeout(900)
+def test_a_guided_edit_over_http_through_the_graph(ray_cluster, tiny_checkpoint):
+    """The deployed graph of the tiny Qwen-Image-Edit checkpoint: an edit with a negative
+    prompt and CFG 4 over HTTP (the encoder stage shows the source to the conditioner for the
+    prompt and for its negative), and a source at a size the pipeline would resize refused
+    with a 400 naming it (integration tier: Ray)."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+    from ray import serve
+
+    from graph import build_app, delete_graph
+
+    def png(image: torch.Tensor) -> str:
+        out = io.BytesIO()
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(out, format="PNG")
+        return base64.b64encode(out.getvalue()).decode()
+
+    config = {"app_name": "fam_qwen_image_edit",
+              "rollout": {"adapter": "qwen_image",
+                          "weights_path": str(tiny_checkpoint("qwen_image_edit")),
+                          "adapter_options": {"max_sequence_length": 48}},
+              "rollout_stage": {"num_cpus": 0.5},
+              "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
+                           "inputs": ["image"], "reward": {"policy": "required"}}],
+              "limits": {"max_prompts": 2, "max_samples_per_prompt": 2, "max_steps": 4,
+                         "max_frames": 1, "max_body_bytes": 8 << 20},   # a ~1 MP noisy PNG
+              "policy_store": "fam_qwen_image_edit_store"}
+    serve.run(build_app(config), name=config["app_name"], route_prefix="/qwen_image_edit")
+    url = f"http://127.0.0.1:{ray_cluster['http_port']}/qwen_image_edit/rollout"
+    body = {"prompts": ["a red circle at the top left on a black background"],
+            "negative_prompts": [" "], "task": "edit",
+            "images": [png(source_image())], "samples_per_prompt": 2, "seed": 3,
+            "num_steps": 2, "sampler": "ode", "noise_level": 0.0, "guidance_scale": 4.0,
+            "height": 64, "width": 96}
+    try:
+        reply = httpx.post(url, json=body, timeout=600)
+        assert reply.status_code == 200, reply.text
+        [result] = reply.json()["results"]
+        for sample in result["samples"]:
+            assert {a["name"]: a["shape"] for a in sample["artifacts"]}["image"] == [3, 64, 96]
+        small = torch.zeros(3, 512, 512, dtype=torch.uint8)
+        bad = httpx.post(url, json=body | {"images": [png(small)]}, timeout=120)
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["field"].startswith("images") or error["field"].startswith("media"), error
+        assert "1024" in str(error["expected"])
+    finally:
+        delete_graph(config)
