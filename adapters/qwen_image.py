@@ -156,10 +156,20 @@ class QwenConditioner(TokenizingConditioner):
         super().__init__(spec, root)
         self.template, self.drop = template, drop
 
-    def check_template(self) -> None:
+    def tokenizer(self, encoder: EncoderSpec):
+        """The checkpoint's tokenizer, its split of the template checked when first loaded."""
+        if encoder.name not in self._tokenizers:
+            tok = super().tokenizer(encoder)
+            try:
+                self.check_template(tok)
+            except ConfigError:
+                del self._tokenizers[encoder.name]
+                raise
+        return self._tokenizers[encoder.name]
+
+    def check_template(self, tok) -> None:
         """The template before the prompt (system turn + user header; before the vision block
         of the edit template) must be exactly the `drop` tokens the pipeline drops."""
-        tok = self.tokenizer(self.spec.encoder(QWEN))
         prefix = self.template.split("{}")[0].split("<|vision_start|>")[0]
         count = len(tok(prefix)["input_ids"])
         if count != self.drop:
@@ -403,7 +413,10 @@ class QwenImageFamily(CheckpointFamily):
             sampling_defaults={"height": side, "width": side, "num_frames": 1})
         self.conditioner = (QwenEditConditioner if self.edits else QwenConditioner)(
             self.spec, self.root, self.template, self.drop)
-        self.conditioner.check_template()
+        # the template check needs the tokenizer: at load where the folder ships one; an
+        # architecture description (no tokenizers) is checked where its tokenizer is first loaded
+        if (self.root / encoders[0].tokenizer).is_dir():
+            self.conditioner.tokenizer(encoders[0])
         self.denoiser = QwenImageDenoiser()
         self.codec = QwenImageCodec(vae, packed)
 

@@ -24,7 +24,8 @@ MISSING = "/models/not-on-this-machine"
 # the families and options each description is served with (the real Wan schedulers are UniPC)
 FAMILIES = {"sd3.5-medium": ("sd3", {}), "sd3.5-large": ("sd3", {}), "flux.1-dev": ("flux", {}),
             "wan2.1-t2v-14b": ("wan", {"unipc": "flow_euler"}),
-            "wan2.2-t2v-a14b": ("wan", {"unipc": "flow_euler"}), "ltx-2": ("ltx2", {})}
+            "wan2.2-t2v-a14b": ("wan", {"unipc": "flow_euler"}), "ltx-2": ("ltx2", {}),
+            "qwen-image": ("qwen_image", {}), "minimax-h3": ("minimax_h3", {})}
 
 
 def test_every_shipped_description_declares_its_family():
@@ -60,17 +61,28 @@ def test_sd35_medium_encoders_split_over_the_gpu_examples_etp_4():
     ("sd3.5-large", "transformer", 8.1e9),          # SD3.5 Large: 8.1 B
     ("wan2.1-t2v-14b", "transformer", 14.0e9),      # Wan2.1-T2V-14B
     ("ltx-2", "transformer", 19.0e9),               # LTX-2: 19 B (video + audio streams)
+    ("qwen-image", "transformer", 20.0e9),          # Qwen-Image: 20 B MMDiT
+    ("qwen-image", "text_encoder", 8.29e9),         # Qwen2.5-VL-7B-Instruct: 8.29 B
+    ("minimax-h3", "transformer", 33.0e9),          # MiniMax-H3: 33 B DiT
+    ("minimax-h3", "text_encoder", 33.0e9),         # Qwen3-VL-32B-Instruct: 33 B
 ])
 def test_descriptions_build_the_published_model_sizes(arch, component, published):
-    """The description's config builds (on the meta device, no memory) a transformer of the
-    size its authors publish: the values are the real model's, not a look-alike's."""
+    """The description's config builds (on the meta device, no memory) a transformer (or text
+    encoder) of the size its authors publish: the values are the real model's, not a
+    look-alike's."""
     import diffusers
+    import transformers
     from accelerate import init_empty_weights
     index = json.loads((architecture_root(arch) / "model_index.json").read_text())
     library, name = index[component]
-    cls = getattr(diffusers, name)
+    folder = architecture_root(arch) / component
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(architecture_root(arch) / component))
+        if library == "transformers":
+            cls = getattr(transformers, name)
+            model = cls(cls.config_class.from_pretrained(folder))
+        else:
+            cls = getattr(diffusers, name)
+            model = cls.from_config(cls.load_config(folder))
     params = sum(p.numel() for p in model.parameters())
     assert params == pytest.approx(published, rel=0.03), params
 
