@@ -273,3 +273,36 @@ def test_a_guided_edit_over_http_through_the_graph(ray_cluster, tiny_checkpoint)
         assert "1024" in str(error["expected"])
     finally:
         delete_graph(config)
+
+
+@pytest.mark.timeout(600)
+def test_sharded_encoder_with_the_source_image_equals_unsharded(ray_cluster, tiny_checkpoint):
+    """The edit's presentation (prompt + the source's vision block) through the TextEncoder
+    deployment at etp 2 (Qwen2.5-VL's language model split over 2 gloo workers, the vision
+    tower replicated) equals the unsharded conditioner's (integration tier: Ray)."""
+    from ray import serve
+
+    from adapters.registry import get_family
+    from deployments.encoder import TextEncoderServer, load_encoders
+
+    root = str(tiny_checkpoint("qwen_image_edit"))
+    options = {"max_sequence_length": 48}
+    family = get_family("qwen_image", root, options)
+    prompts = family.conditioner.tokenize([PROMPTS[0], PROMPTS[1]])
+    media = [{MediaRole.IMAGE: source_image()}, {MediaRole.IMAGE: source_image(inverted=True)}]
+    ref = family.conditioner.encode_with_media(load_encoders(family), prompts, media)
+    etp, cpus = 2, 0.25
+    opts = {"name": "TextEncoder", "ray_actor_options": {"num_cpus": cpus},
+            "graceful_shutdown_wait_loop_s": 0.0, "graceful_shutdown_timeout_s": 2.0,
+            **TextEncoderServer.deployment_options(etp, cpus, cpus)}
+    handle = serve.run(serve.deployment(TextEncoderServer, **opts).bind(
+        "qwen_image", root, etp, "cpu", "float32", options), name="etp_qwen_edit",
+        route_prefix=None)
+    try:
+        cond = handle.encode.remote(prompts, media).result(timeout_s=300)
+        diff = float((cond["prompt_embeds"] - ref["prompt_embeds"]).abs().max())
+        print(f"Qwen2.5-VL edit etp=2: max |sharded - unsharded| = {diff:.3g}")
+        assert cond["prompt_embeds"].shape == ref["prompt_embeds"].shape == (2, 48, 32)
+        assert diff <= 1e-5 and torch.equal(cond["prompt_mask"], ref["prompt_mask"])
+    finally:
+        serve.delete("etp_qwen_edit")
