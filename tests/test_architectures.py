@@ -43,6 +43,13 @@ def test_every_shipped_description_declares_its_family():
     ltx2 = declare("ltx2", MISSING, {}, "ltx-2")
     assert dict(ltx2.spec.decoders) == {"video_latent": ("vae",),
                                         "audio_latent": ("audio_vae", "vocoder")}
+    # Qwen-Image checks its template split against the tokenizer where one is first loaded: a
+    # description ships none, so it declares, and tokenizing from it is the typed error
+    from adapters.registry import get_family
+    qwen = get_family("qwen_image", str(architecture_root("qwen-image")), {})
+    with pytest.raises(ConfigError) as e:
+        qwen.conditioner.tokenize(["a red cat"])
+    assert e.value.field == "weights_path.tokenizer"
 
 
 def test_sd35_medium_encoders_split_over_the_gpu_examples_etp_4():
