@@ -51,6 +51,7 @@ def trainer_config(tmp_path, family, config, algorithm: Algorithm, **over):
            "sampler": {"sampler": "sde", "num_steps": 3, "noise_level": 0.7, "window": [0, 2],
                        "guidance_scale": guidance, **SIZE},
            "lora": {"rank": 2, "alpha": 4}, "nft": {"train_timesteps": 1},
+           "awm": {"train_timesteps": 1},
            "dpo": {"draws_per_pair": 1}, "pipeline": {"mode": "serial", "max_staleness": 1},
            "eval": {"every": 2, "num_prompts": 2, "samples_per_prompt": 1, "num_steps": 3},
            "run_dir": str(tmp_path / algorithm.value), "checkpoint_every": 100, "gallery": False}
