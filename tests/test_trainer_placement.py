@@ -59,7 +59,10 @@ class MeasuredTrainer:
 
 
 def test_disaggregated_fsdp2_workers_publish_full_weight_versions(graph, tmp_path):
+    import gc
+
     from trainer.learner_worker import process_parameter_bytes
+    gc.collect()                                # earlier tests' unreachable modules go first
     before = process_parameter_bytes()          # what earlier tests left alive in this process
     cfg = _config(tmp_path, algorithm="flow_grpo", optimizer={"lr": 1e-4},
                   pipeline={"mode": "async", "max_staleness": 1},
@@ -74,7 +77,8 @@ def test_disaggregated_fsdp2_workers_publish_full_weight_versions(graph, tmp_pat
     history = trainer.run()
     assert len(history) == 2
     assert len(trainer.parameter_bytes) == 2
-    assert all(b - before == 0 for b in trainer.parameter_bytes), (before, trainer.parameter_bytes)
+    # the run adds no parameter to this process (earlier tests' leftovers may only go)
+    assert all(b <= before for b in trainer.parameter_bytes), (before, trainer.parameter_bytes)
     check = [r for r in metric_rows(tmp_path) if any(k.startswith("check_") for k in r)]
     assert check and check[0]["check_cos_declared@0.5"] > check[0]["check_cos_other@0.5"]
     for row in train_steps(metric_rows(tmp_path)):
