@@ -17,10 +17,8 @@ TIE counts half a win to each, as Pref-GRPO does.
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from enum import Enum
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,10 +27,10 @@ from contract import ConfigError, Modality, ScorerOutput, ScoreStatus
 from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.groupwise import group_slices
-from rewards.http_client import JsonClient, RetryPolicy
+from rewards.http_client import RetryPolicy
 from rewards.media import require_decoded
 from rewards.remote_protocol import png_base64
-from rewards.vlm_judge import ChoiceField
+from rewards.vlm_judge import ChoiceField, chat_client
 
 
 class Undecided(str, Enum):
@@ -98,17 +96,7 @@ class VLMPairwiseScorer:
         self.config = config
         self.name = config.name
         self.required_artifacts = (config.artifact,)
-        headers = {}
-        if config.api_key_env:
-            key = os.environ.get(config.api_key_env)
-            if not key:
-                raise ConfigError("the judge's API key variable is not set",
-                                  field=f"{self.name}.api_key_env", actual=config.api_key_env)
-            headers["Authorization"] = f"Bearer {key}"
-        self._client = JsonClient(config.base_url.rstrip("/") + "/chat/completions",
-                                  config.retry, config.name, headers)
-        self._pool = ThreadPoolExecutor(max_workers=config.retry.max_concurrency,
-                                        thread_name_prefix=f"pair-{config.name}")
+        self._client, self._pool = chat_client(config, "pair")
 
     def body(self, prompt: str, first: tuple[int, Any], second: tuple[int, Any]) -> dict:
         cfg = self.config

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contract import Modality, ScorerOutput, ScoreStatus
+from contract import ConfigError, Modality, ScorerOutput, ScoreStatus
 from contract.errors import RemoteScorerError
 from rewards.base import ScoreRequest
 from rewards.embedding import frame_indices
@@ -82,6 +82,23 @@ class VLMJudgeScorerConfig(BaseModel):
         return self
 
 
+def chat_client(config: Any, thread_prefix: str) -> tuple[JsonClient, ThreadPoolExecutor]:
+    """The chat-completions client of a judge config (`base_url`, `api_key_env`, `retry`,
+    `name`) and its call pool; an unset API key variable is a ConfigError naming it."""
+    headers = {}
+    if config.api_key_env:
+        key = os.environ.get(config.api_key_env)
+        if not key:
+            raise ConfigError("the judge's API key variable is not set",
+                              field=f"{config.name}.api_key_env", actual=config.api_key_env)
+        headers["Authorization"] = f"Bearer {key}"
+    client = JsonClient(config.base_url.rstrip("/") + "/chat/completions", config.retry,
+                        config.name, headers)
+    pool = ThreadPoolExecutor(max_workers=config.retry.max_concurrency,
+                              thread_name_prefix=f"{thread_prefix}-{config.name}")
+    return client, pool
+
+
 class VLMJudgeScorer:
     primary = "judge"
 
@@ -89,18 +106,7 @@ class VLMJudgeScorer:
         self.config = config
         self.name = config.name
         self.required_artifacts = (config.artifact,)
-        headers = {}
-        if config.api_key_env:
-            key = os.environ.get(config.api_key_env)
-            if not key:
-                from contract import ConfigError
-                raise ConfigError("the judge's API key variable is not set",
-                                  field=f"{self.name}.api_key_env", actual=config.api_key_env)
-            headers["Authorization"] = f"Bearer {key}"
-        self._client = JsonClient(config.base_url.rstrip("/") + "/chat/completions",
-                                  config.retry, config.name, headers)
-        self._pool = ThreadPoolExecutor(max_workers=config.retry.max_concurrency,
-                                        thread_name_prefix=f"judge-{config.name}")
+        self._client, self._pool = chat_client(config, "judge")
         self._pattern = re.compile(config.score_pattern)
 
     def body(self, prompt: str, images_chw: list) -> dict[str, Any]:
