@@ -44,6 +44,17 @@ T5_ETP_PLAN = ETPPlan(
 # heads), which the same plan column-splits by heads in every layer.
 UMT5_ETP_PLAN = T5_ETP_PLAN
 
+# The Qwen-VL language model (Qwen2.5-VL, Qwen3-VL), Megatron-split by heads: q / k / v and the
+# gated MLP's gate / up column-parallel, o / down row-parallel, the token embedding
+# vocab-parallel. Grouped-query attention: etp must divide the key/value heads (then it divides
+# the query heads too). Its vision tower is not in the plan: the families replicate it.
+QWEN_VL_ETP_PLAN = ETPPlan(
+    layers="model.language_model.layers",
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+            "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    vocab="model.language_model.embed_tokens", heads="num_key_value_heads")
+
 
 def tokenizer_max_length(root: Path, subfolder: str, default: int = 77) -> int:
     """A tokenizer's model_max_length from its tokenizer_config.json (no tokenizer loaded)."""

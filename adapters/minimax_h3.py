@@ -45,8 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters.checkpoint import read_json
-from adapters.diffusers_parts import TokenizingConditioner, encoder_vocab_size
-from adapters.family import (CheckpointFamily, Codec, EncoderSpec, ETPPlan, FamilySpec,
+from adapters.diffusers_parts import QWEN_VL_ETP_PLAN, TokenizingConditioner, encoder_vocab_size
+from adapters.family import (CheckpointFamily, Codec, EncoderSpec, FamilySpec,
                              MediaCondition, Overflow, check_latent_shape, request_errors)
 from contract import (ArtifactSpec, Condition, ConfigError, GuidanceKind, InvalidRequestError,
                       IOSpec, Layout, LimitExceededError, MediaFormatError, MediaRole, Modality,
@@ -75,18 +75,11 @@ MAX_IMAGE_REFERENCES = 9                    # MiniMaxH3Ref2VASetupStep max_image
 # every attention projection and both SwiGLU linears of the joint blocks (no cross-attention)
 MINIMAX_H3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 
-# Qwen3-VL's language model, Megatron-split by heads: q / k / v and the gated MLP's gate / up
-# column-parallel, o / down row-parallel, the token embedding vocab-parallel. Grouped-query
-# attention: etp must divide the key/value heads (then it divides the query heads too); q_norm /
-# k_norm act per head and stay whole. The vision tower is replicated: its attention projects
-# q, k and v with one fused `qkv` linear, which a column split would cut across the three
-# instead of across heads, and it runs only on keyframe pixels (a few hundred tokens).
-QWEN3_VL_ETP_PLAN = ETPPlan(
-    layers="model.language_model.layers",
-    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-            "mlp.up_proj"),
-    row=("self_attn.o_proj", "mlp.down_proj"),
-    vocab="model.language_model.embed_tokens", heads="num_key_value_heads")
+# Qwen3-VL's language model split as every Qwen-VL's; q_norm / k_norm act per head and stay
+# whole. The vision tower is replicated: its attention projects q, k and v with one fused `qkv`
+# linear, which a column split would cut across the three instead of across heads, and it runs
+# only on keyframe pixels (a few hundred tokens).
+QWEN3_VL_ETP_PLAN = QWEN_VL_ETP_PLAN
 
 
 class MiniMaxH3Options(BaseModel):

@@ -59,9 +59,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from adapters.checkpoint import read_json
-from adapters.diffusers_parts import FlowSchedule, TokenizingConditioner, encoder_vocab_size
+from adapters.diffusers_parts import (QWEN_VL_ETP_PLAN, FlowSchedule, TokenizingConditioner,
+                                      encoder_vocab_size)
 from adapters.flux import check_source_image
-from adapters.family import (CheckpointFamily, EncoderSpec, ETPPlan, FamilySpec,
+from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec,
                              MediaCondition, OneLatentCodec, Overflow, check_latent_shape,
                              image_io_spec, request_errors, unit_to_uint8)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
@@ -101,17 +102,9 @@ QWEN_IMAGE_LORA_TARGETS = (
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 
-# Qwen2.5-VL's language model, Megatron-split by heads: q / k / v (with their biases) and the
-# gated MLP's gate / up column-parallel, o / down row-parallel, the token embedding
-# vocab-parallel. Grouped-query attention: etp must divide the key/value heads (then it divides
-# the query heads too). The vision tower is replicated: text-to-image prompts never run it, and
-# it is ~8% of the 7B encoder.
-QWEN2_5_VL_ETP_PLAN = ETPPlan(
-    layers="model.language_model.layers",
-    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-            "mlp.up_proj"),
-    row=("self_attn.o_proj", "mlp.down_proj"),
-    vocab="model.language_model.embed_tokens", heads="num_key_value_heads")
+# Qwen2.5-VL's language model split as every Qwen-VL's (q / k / v with their biases). The
+# vision tower is replicated: text-to-image prompts never run it, and it is ~8% of the 7B encoder.
+QWEN2_5_VL_ETP_PLAN = QWEN_VL_ETP_PLAN
 
 
 class QwenImageOptions(BaseModel):
