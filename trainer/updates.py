@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pai
                                 reusable_rows, rollout_old_log_probs)
 from rollout.engine_api import RolloutTree
 from trainer.algorithms.modality import stream_advantages, stream_masks
+from trainer.algorithms.nft import TimestepOrder
 from trainer.algorithms.tree import edge_weights, tree_advantages
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
@@ -281,25 +282,38 @@ def _nft_units(batch: Batch, size: int | None) -> list[torch.Tensor]:
     return _chunks(torch.arange(batch.rows), size)
 
 
+def _forward_draws(learner: Learner, batch: Batch, sub: Batch, x0: torch.Tensor,
+                   plan: UpdatePlan, draws: int, order: TimestepOrder, timestep_stream: Draw,
+                   noise_stream: Draw
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per draw k, the forward process at one of the rollout's schedule steps per row (from the
+    row's `timestep_stream`) with fresh noise (its `noise_stream`): (sigma (b,), eps, x_sigma),
+    the condition entries of a frozen mask kept clean as in the rollout. NFT and AWM train on it."""
+    dev = learner.device
+    sigmas = learner.family.sigmas(batch.sampling) if batch.sigmas is None else batch.sigmas
+    sigmas = sigmas[:-1]
+    held = None if batch.frozen_mask is None else _on(batch.frozen_mask, dev)
+    steps = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), draws, order,
+                          timestep_stream)                                             # (T, b)
+    for k in range(draws):
+        sigma = _on(sigmas[steps[k]], dev)                                                # (b,)
+        eps = row_randn(plan.noise_seed, sub.seeds, noise_stream, k, x0.shape[1:], dev)
+        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
+        x_sigma = (1 - s) * x0 + s * eps
+        if held is not None:             # condition entries stay clean, as in the rollout
+            x_sigma = torch.where(held, x0, x_sigma)
+        yield sigma, eps, x_sigma
+
+
 def _nft_run(learner: Learner, batch: Batch, r_all: torch.Tensor, rows: torch.Tensor,
              weight: float, plan: UpdatePlan, cfg: TrainerConfig, sums: dict) -> None:
     """Forward-process NFT on `rows`: fresh noise at schedule noise levels; v_theta / v_old /
     v_ref; loss weight rows / total per draw / train_timesteps."""
     c, dev = cfg.nft, learner.device
     sub = batch.select(rows)
-    sigmas = learner.family.sigmas(batch.sampling) if batch.sigmas is None else batch.sigmas
-    sigmas = sigmas[:-1]
     x0, r = _on(sub.x0, dev), _on(r_all[rows], dev)                                    # (b,)
-    held = None if batch.frozen_mask is None else _on(batch.frozen_mask, dev)
-    order = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), c.train_timesteps,
-                          c.timesteps)                                                # (T, b)
-    for k in range(c.train_timesteps):
-        sigma = _on(sigmas[order[k]], dev)                                                # (b,)
-        eps = row_randn(plan.noise_seed, sub.seeds, Draw.NFT_NOISE, k, x0.shape[1:], dev)
-        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
-        x_sigma = (1 - s) * x0 + s * eps
-        if held is not None:             # condition entries stay clean, as in the rollout
-            x_sigma = torch.where(held, x0, x_sigma)
+    for sigma, _, x_sigma in _forward_draws(learner, batch, sub, x0, plan, c.train_timesteps,
+                                            c.timesteps, Draw.NFT_TIMESTEPS, Draw.NFT_NOISE):
         with torch.no_grad():
             v_old = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.OLD, media=sub.inputs)
             v_ref = (learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.REFERENCE,
@@ -427,19 +441,9 @@ def _awm_run(learner: Learner, batch: Batch, adv_all: torch.Tensor, rows: torch.
     clipped surrogate by the current ones; loss weight rows / total per draw / train_timesteps."""
     c, dev = cfg.awm, learner.device
     sub = batch.select(rows)
-    sigmas = learner.family.sigmas(batch.sampling) if batch.sigmas is None else batch.sigmas
-    sigmas = sigmas[:-1]
     x0, a = _on(sub.x0, dev), _on(adv_all[rows], dev)                                 # (b,)
-    held = None if batch.frozen_mask is None else _on(batch.frozen_mask, dev)
-    order = row_timesteps(plan.noise_seed, sub.seeds, len(sigmas), c.train_timesteps,
-                          c.timesteps, Draw.AWM_TIMESTEPS)                            # (T, b)
-    for k in range(c.train_timesteps):
-        sigma = _on(sigmas[order[k]], dev)                                                # (b,)
-        eps = row_randn(plan.noise_seed, sub.seeds, Draw.AWM_NOISE, k, x0.shape[1:], dev)
-        s = sigma.reshape(-1, *([1] * (x0.ndim - 1)))
-        x_sigma = (1 - s) * x0 + s * eps
-        if held is not None:             # condition entries stay clean, as in the rollout
-            x_sigma = torch.where(held, x0, x_sigma)
+    for sigma, eps, x_sigma in _forward_draws(learner, batch, sub, x0, plan, c.train_timesteps,
+                                              c.timesteps, Draw.AWM_TIMESTEPS, Draw.AWM_NOISE):
         with torch.no_grad():            # the pre-step weights are the old policy
             v_old = learner.velocity(x_sigma, sigma, sub.cond, PolicyRole.CURRENT,
                                      media=sub.inputs)
