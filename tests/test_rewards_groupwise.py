@@ -172,18 +172,22 @@ def test_pairwise_win_rates_follow_the_judges_answers(judge_server):
     out = scorer.score(ScoreRequest(arts, prompts, groups=(2, 3)))
     exchanges = server.exchanges[before:]
     assert len(exchanges) == 1 + 3 and out.metadata["pairs"] == 4
+    # the calls run concurrently, so each answer is matched to its pair by the request's own text
+    answers = {}
+    for body, answer in exchanges:
+        text = body["messages"][-1]["content"][-1]["text"]
+        i, j = (int(c) for c in body["structured_outputs"]["choice"])
+        assert f"image {i}" in text and f"image {j}" in text
+        prompt = next(p for p in set(prompts) if f'"{p}"' in text)
+        answers[prompt, i, j] = int(answer)
     # the derivation: per group, each sample's wins over the other n - 1, from the answers
     expected = []
     for start, n in ((0, 2), (2, 3)):
         wins = [0] * n
-        for (i, j), (body, answer) in zip(itertools.combinations(range(n), 2),
-                                          exchanges[:n * (n - 1) // 2]):
-            text = body["messages"][-1]["content"][-1]["text"]
-            assert f"image {i}" in text and f"image {j}" in text and prompts[start] in text
-            assert body["structured_outputs"] == {"choice": [str(i), str(j)]}
-            wins[int(answer)] += 1
-        exchanges = exchanges[n * (n - 1) // 2:]
+        for i, j in itertools.combinations(range(n), 2):
+            wins[answers.pop((prompts[start], i, j))] += 1
         expected += [w / (n - 1) for w in wins]
+    assert not answers
     assert out.scores["win_rate"] == pytest.approx(expected)
     assert sum(out.scores["win_rate"][2:]) == pytest.approx(1.5)   # 3 comparisons, 1 win each
 
