@@ -2,7 +2,7 @@
 
 The registry (`get_family`, `adapter: auto`, adapters/registry.py), the checkpoint families'
 shared constructor (adapters/family.py CheckpointFamily: pipeline class and options) and the
-tiny-checkpoint script (scripts/tiny_checkpoints.py) all read this table. Classes and builders
+tiny-checkpoint script (testing/tiny_checkpoints.py) all read this table. Classes and builders
 are named as "module:attribute" and imported only when that family is asked for, so reading
 the table imports no model code.
 """
@@ -41,8 +41,8 @@ class SampleSize:
 @dataclass(frozen=True)
 class TinyCheckpoint:
     """A tiny random checkpoint of a family in the published layout (for tests): its name
-    (`scripts.tiny_checkpoints --family NAME`), the pipeline class that saves it, the builder of
-    its seeded components ("module:function", seed -> scripts.tiny_families.Parts) and the
+    (`testing.tiny_checkpoints --family NAME`), the pipeline class that saves it, the builder of
+    its seeded components ("module:function", seed -> testing.tiny_families.Parts) and the
     call it is sized for. A layout no pipeline class's save_pretrained writes (a modular
     pipeline's) names a `writer` instead of a builder: "module:function", (root, seed) -> the
     folder root/NAME it wrote."""
@@ -105,7 +105,7 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
          "StableDiffusion3InpaintPipeline", "StableDiffusion3PAGPipeline",
          "StableDiffusion3PAGImg2ImgPipeline"),
-        (TinyCheckpoint("sd3", "StableDiffusion3Pipeline", "scripts.tiny_families:sd3_parts",
+        (TinyCheckpoint("sd3", "StableDiffusion3Pipeline", "testing.tiny_families:sd3_parts",
                         SampleSize(64, 96, max_sequence_length=32)),)),
     FamilyEntry(
         "flux", "adapters.flux:FluxFamily", "adapters.flux:FluxOptions",
@@ -113,25 +113,25 @@ FAMILIES: tuple[FamilyEntry, ...] = (
          "FluxKontextInpaintPipeline", "FluxFillPipeline", "FluxControlPipeline",
          "FluxControlImg2ImgPipeline", "FluxControlInpaintPipeline", "VisualClozePipeline",
          "VisualClozeGenerationPipeline"),
-        (TinyCheckpoint("flux", "FluxPipeline", "scripts.tiny_families:flux_parts",
+        (TinyCheckpoint("flux", "FluxPipeline", "testing.tiny_families:flux_parts",
                         SampleSize(64, 96, max_sequence_length=48)),)),
     FamilyEntry(
         "wan", "adapters.wan:WanFamily", "adapters.wan:WanOptions",
         ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",
          "LucyEditPipeline"),
-        (TinyCheckpoint("wan21", "WanPipeline", "scripts.tiny_families:wan21_parts",
+        (TinyCheckpoint("wan21", "WanPipeline", "testing.tiny_families:wan21_parts",
                         SampleSize(32, 48, num_frames=9, max_sequence_length=16)),
          # the I2V transformer splits image tokens off the context at a text length of 512
          TinyCheckpoint("wan21_i2v", "WanImageToVideoPipeline",
-                        "scripts.tiny_families:wan21_i2v_parts",
+                        "testing.tiny_families:wan21_i2v_parts",
                         SampleSize(32, 48, num_frames=9, max_sequence_length=512)),
-         TinyCheckpoint("wan22", "WanPipeline", "scripts.tiny_families:wan22_parts",
+         TinyCheckpoint("wan22", "WanPipeline", "testing.tiny_families:wan22_parts",
                         SampleSize(32, 48, num_frames=9, max_sequence_length=16)))),
     FamilyEntry(
         "ltx2", "adapters.ltx2:LTX2Family", "adapters.ltx2:LTX2Options",
         ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline",
          "LTX2HDRPipeline", "LTX2InContextPipeline", "LTX2DFRPipeline"),
-        (TinyCheckpoint("ltx2", "LTX2Pipeline", "scripts.tiny_families:ltx2_parts",
+        (TinyCheckpoint("ltx2", "LTX2Pipeline", "testing.tiny_families:ltx2_parts",
                         SampleSize(64, 96, num_frames=9, frame_rate=25.0,
                                    max_sequence_length=16)),)),
     FamilyEntry(
@@ -140,18 +140,18 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         # modular only: no DiffusionPipeline saves it, its writer writes the layout
         (TinyCheckpoint("minimax_h3", "MiniMaxH3ModularPipeline", None,
                         SampleSize(32, 64, num_frames=124, max_sequence_length=64),
-                        writer="scripts.tiny_minimax_h3:build"),)),
+                        writer="testing.tiny_minimax_h3:build"),)),
     FamilyEntry(
         "qwen_image", "adapters.qwen_image:QwenImageFamily",
         "adapters.qwen_image:QwenImageOptions",
         ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
          "QwenImageEditPipeline"),
         (TinyCheckpoint("qwen_image", "QwenImagePipeline",
-                        "scripts.tiny_qwen_image:qwen_image_parts",
+                        "testing.tiny_qwen_image:qwen_image_parts",
                         SampleSize(64, 96, max_sequence_length=32)),
          # a processor feeds the edit's source image to the vision tower: the folder edits
          TinyCheckpoint("qwen_image_edit", "QwenImageEditPipeline",
-                        "scripts.tiny_qwen_image:qwen_image_edit_parts",
+                        "testing.tiny_qwen_image:qwen_image_edit_parts",
                         SampleSize(64, 96, max_sequence_length=48)))),
 )
 

@@ -29,7 +29,7 @@ def _described(rel: str) -> dict[str, Any]:
 # the published values, from the shipped description (adapters/architectures/sd3.5-medium)
 SD35_MEDIUM_TRANSFORMER: dict[str, Any] = _described("transformer/config.json")
 
-# The tests' tiny SD3.5 layout (scripts/tiny_checkpoints.py): the same blocks (qk RMSNorm, a
+# The tests' tiny SD3.5 layout (testing/tiny_checkpoints.py): the same blocks (qk RMSNorm, a
 # dual-attention layer, patch 2, 16 channels) at a size a CPU runs in milliseconds.
 TINY_SD35_TRANSFORMER: dict[str, Any] = {
     "_class_name": "SD3Transformer2DModel",

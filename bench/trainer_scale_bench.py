@@ -75,7 +75,7 @@ def dp_checkpoint(root: Path) -> Path:
     """The tiny SD3 checkpoint with its transformer replaced by a wider random one."""
     from diffusers import SD3Transformer2DModel
 
-    from scripts.tiny_checkpoints import Family, build
+    from testing.tiny_checkpoints import Family, build
     path = build(Family.SD3, root)
     torch.manual_seed(0)
     SD3Transformer2DModel(**DP_TRANSFORMER).save_pretrained(path / "transformer")

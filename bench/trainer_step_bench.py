@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
 
     from deployments.config import load_graph_config
     from graph import build_app, delete_graph
-    from scripts.tiny_checkpoints import build
+    from testing.tiny_checkpoints import build
     from trainer.demo import _free_port
     load_before = os.getloadavg()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,

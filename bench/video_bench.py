@@ -2,7 +2,7 @@
 per sample, peak RSS per stage (bench/results/video.json + video.png).
 
 `python -m bench.video_bench [--families ltx2 ...]` runs, per family in CASES (a tiny real-layout
-checkpoint written by scripts/tiny_checkpoints.py into a temporary folder):
+checkpoint written by testing/tiny_checkpoints.py into a temporary folder):
 
   engine        the embedded engine in this process on the family's transformer: N requests of
                 R rows each, all in flight (rows of different requests packed per step) against
@@ -48,7 +48,7 @@ SHAPE_PROMPTS = ("a red circle in the center on a white background",     # what 
 @dataclass(frozen=True)
 class VideoCase:
     family: str                           # registry name
-    checkpoint: str                       # scripts/tiny_checkpoints.py family
+    checkpoint: str                       # testing/tiny_checkpoints.py family
     options: dict
     sampling: dict                        # SamplingSpec fields besides seeds / sampler
     graph: str                            # Serve config (configs/*.yaml)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from adapters.registry import get_family
-    from scripts.tiny_checkpoints import build
+    from testing.tiny_checkpoints import build
     report = {"config": {k: getattr(args, k) for k in ("requests", "rows", "steps", "repeats",
                                                        "threads")},
               "machine": {"cpus": __import__("os").cpu_count(),

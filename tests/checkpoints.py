@@ -1,4 +1,4 @@
-"""Session fixture: tiny real-layout checkpoints (scripts/tiny_checkpoints.py), each built on
+"""Session fixture: tiny real-layout checkpoints (testing/tiny_checkpoints.py), each built on
 first use and cached on disk under a key of its entry (adapters/families.py), its builder's
 sources and the library versions they write with (a changed entry, builder or library builds
 anew); each session copies its own."""
@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from scripts.tiny_checkpoints import Family, build, tiny_entry
+from testing.tiny_checkpoints import Family, build, tiny_entry
 
 BUILDERS = ("tiny_checkpoints.py", "tiny_families.py", "tiny_tokenizers.py")   # + each builder's
 LIBRARIES = ("torch", "diffusers", "transformers", "tokenizers", "safetensors")
@@ -26,8 +26,8 @@ def cache_key(family: str | Family) -> str:
     module) and the installed versions of the libraries that write them."""
     entry = tiny_entry(family)
     digest = hashlib.sha256(repr(entry).encode() + b"\0")
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    sources = [scripts / name for name in BUILDERS]
+    testing = Path(__file__).resolve().parent.parent / "testing"
+    sources = [testing / name for name in BUILDERS]
     builder = Path(importlib.util.find_spec(entry.source_module).origin)
     for path in sources + ([builder] if builder not in sources else []):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

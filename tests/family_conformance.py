@@ -332,7 +332,7 @@ class FamilyChecks:
 
 
 class FamilyConformance(FamilyChecks):
-    checkpoint: str                   # tiny checkpoint family (scripts/tiny_checkpoints.py)
+    checkpoint: str                   # tiny checkpoint family (testing/tiny_checkpoints.py)
     other_sizes: tuple[dict[str, int], ...] = ()
     bad_size: dict[str, int] = {}     # a size the VAE / patch cannot produce
     sigma_steps: tuple[int, ...] = (1, 4, 10)   # step counts the sigma tables are compared at

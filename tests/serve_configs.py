@@ -50,7 +50,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "qwen_image": {"prompts": [SHAPE_CAPTION], "height": 32, "width": 48},
     "minimax_h3": {"prompts": [CLIP_CAPTION], "height": 32, "width": 64, "num_frames": 124},
 }
-# the tiny checkpoint (scripts/tiny_checkpoints.py Family) a family's config is pointed at
+# the tiny checkpoint (testing/tiny_checkpoints.py Family) a family's config is pointed at
 CHECKPOINTS = {"sd3": "sd3", "flux": "flux", "wan": "wan22", "ltx2": "ltx2",
                "qwen_image": "qwen_image", "minimax_h3": "minimax_h3"}
 

@@ -44,8 +44,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str, str]]:
         "scripts.pretrain_t2va": (["scripts.pretrain_t2va", "--init", missing, "--out",
                                    str(tmp / "t2va")], "python -m scripts.pretrain_t2va: "
                                   "ConfigError", "field=weights_path"),
-        "scripts.tiny_checkpoints": (["scripts.tiny_checkpoints", "--family", "sd3", "--out",
-                                      str(a_file)], "python -m scripts.tiny_checkpoints: "
+        "testing.tiny_checkpoints": (["testing.tiny_checkpoints", "--family", "sd3", "--out",
+                                      str(a_file)], "python -m testing.tiny_checkpoints: "
                                      "FileExistsError", f"actual='{a_file}'"),
     }
 
@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("entry", ["graph", "trainer", "bench.plan", "deployments.manifests",
                                    "scripts.eval_t2va", "scripts.pretrain_t2i",
-                                   "scripts.pretrain_t2va", "scripts.tiny_checkpoints"])
+                                   "scripts.pretrain_t2va", "testing.tiny_checkpoints"])
 def test_entry_point_reports_one_line_and_exits_2(runs, entry):
     code, stdout, stderr, prefix, names = runs[entry]
     assert code == 2, (stdout, stderr)

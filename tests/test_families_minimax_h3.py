@@ -33,7 +33,7 @@ KEYFRAMES = {MediaRole.FIRST_FRAME: FIRST, MediaRole.LAST_FRAME: LAST}
 
 @pytest.fixture(scope="session")
 def minimax_root(tiny_checkpoint) -> Path:
-    """This session's copy of the tiny checkpoint (scripts/tiny_minimax_h3.py, cached)."""
+    """This session's copy of the tiny checkpoint (testing/tiny_minimax_h3.py, cached)."""
     return tiny_checkpoint("minimax_h3")
 
 

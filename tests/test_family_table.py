@@ -10,7 +10,7 @@ from adapters.families import (FAMILIES, FAMILY_OF_PIPELINE, TINY_CHECKPOINTS, f
 from adapters.family import CheckpointFamily, ModelFamily
 from adapters.registry import family_name
 from contract import ConfigError
-from scripts.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, Family
+from testing.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, Family
 
 
 def test_each_name_and_pipeline_class_is_registered_once():
@@ -74,7 +74,7 @@ def test_a_writer_entry_writes_its_own_layout_atomically(tmp_path, monkeypatch):
     its entry's writer, renamed into place; a writer that wrote elsewhere leaves nothing."""
     import dataclasses
 
-    from scripts import tiny_checkpoints
+    from testing import tiny_checkpoints
     sd3 = TINY_CHECKPOINTS["sd3"]
     for writer in ("_write_folder", "_write_elsewhere"):
         entry = dataclasses.replace(sd3, builder=None, writer=f"tests.test_family_table:{writer}")

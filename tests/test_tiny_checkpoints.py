@@ -16,8 +16,8 @@ import torch
 import diffusers
 from diffusers import DiffusionPipeline
 from adapters.families import TINY_CHECKPOINTS
-from scripts.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, Family, build, main
-from scripts.tiny_families import VOCAB_SIZE
+from testing.tiny_checkpoints import PIPELINE_CLASSES, SAMPLE_SIZES, Family, build, main
+from testing.tiny_families import VOCAB_SIZE
 
 FAMILIES = [f.value for f in Family]      # every tiny checkpoint the family table declares
 PROMPT = "a robot dancing in the rain"
@@ -44,7 +44,7 @@ TEXT_STACKS = {
     "wan21": [("tokenizer", "text_encoder")], "wan21_i2v": [("tokenizer", "text_encoder")],
     "wan22": [("tokenizer", "text_encoder")], "ltx2": [("tokenizer", "text_encoder")],
 }
-# the checkpoints scripts/tiny_families.py builds, whose sampled shapes and tokenizers this file
+# the checkpoints testing/tiny_families.py builds, whose sampled shapes and tokenizers this file
 # states (a family with its own builder states its own in its family tests)
 SAMPLED = sorted(LATENT_SHAPES)
 
@@ -201,7 +201,7 @@ def test_same_seed_rebuilds_identical_files(family, tiny_checkpoint, tmp_path):
 def test_the_shared_builders_checkpoints_are_all_stated():
     assert set(SAMPLED) == set(DECODED_SHAPES) == set(TEXT_STACKS) == \
         {f.value for f in Family if TINY_CHECKPOINTS[f.value].builder and
-         TINY_CHECKPOINTS[f.value].builder.startswith("scripts.tiny_families:")}
+         TINY_CHECKPOINTS[f.value].builder.startswith("testing.tiny_families:")}
 
 
 def test_another_seed_changes_weights_not_tokenizers(tiny_checkpoint, tmp_path):

@@ -1,7 +1,7 @@
 """A tiny random MiniMax-H3 checkpoint in the published modular layout (diffusers 0.42.1).
 
-    python -m scripts.tiny_minimax_h3 --out DIR          # -> DIR/minimax_h3
-    python -m scripts.tiny_minimax_h3 --fl2va-prompts configs/prompts/minimax_h3
+    python -m testing.tiny_minimax_h3 --out DIR          # -> DIR/minimax_h3
+    python -m testing.tiny_minimax_h3 --fl2va-prompts configs/prompts/minimax_h3
         # the tiny recipe's FL2VA prompt files (keyframes from synthetic clips)
 
 Components, each saved by its own `save_pretrained` in its subfolder: `text_encoder`
@@ -14,7 +14,7 @@ byte-level BPE Qwen2Tokenizer learned on the project corpus with Qwen-VL's visio
 of 800 samples at 32 kHz: 40 latents per second, which the pipeline assumes), `scheduler` (shift
 12) / `audio_scheduler` (shift 3), `transformer` (t2va / fl2va) and `transformer_ref` (ref2va),
 two transformers with different weights. `model_index.json` and `modular_model_index.json` name
-the classes. Constant tensors get seeded noise (scripts.tiny_families.perturb_constants).
+the classes. Constant tensors get seeded noise (testing.tiny_families.perturb_constants).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from scripts.tiny_families import _seeded, perturb_constants
-from scripts.tiny_tokenizers import _byte_symbols, _new_tokens, _units, corpus, learn_merges
+from testing.tiny_families import _seeded, perturb_constants
+from testing.tiny_tokenizers import _byte_symbols, _new_tokens, _units, corpus, learn_merges
 
 NAME = "minimax_h3"
 VOCAB_SIZE = 1000

@@ -17,11 +17,11 @@ the output. Everything is fp32 and built on CPU; the same seed gives byte-identi
 
 Which checkpoints exist, their pipeline class, builder and sized call: each family's entry in
 adapters/families.py (`tiny_checkpoints`). The components of the existing ones:
-scripts/tiny_families.py. Facts about each pipeline that an adapter must reproduce:
+testing/tiny_families.py. Facts about each pipeline that an adapter must reproduce:
 docs/MODEL_FAMILIES.md.
 
-    python -m scripts.tiny_checkpoints --family sd3 --out DIR      # -> DIR/sd3
-    python -m scripts.tiny_checkpoints --family all --out DIR
+    python -m testing.tiny_checkpoints --family sd3 --out DIR      # -> DIR/sd3
+    python -m testing.tiny_checkpoints --family all --out DIR
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def build(family: str | Family, root: Path, seed: int = 0) -> Path:
             shutil.rmtree(staging)
             return target
         with torch.random.fork_rng(devices=[]):
-            parts = resolve(entry.builder)(seed)     # scripts.tiny_families.Parts
+            parts = resolve(entry.builder)(seed)     # testing.tiny_families.Parts
         pipeline = getattr(diffusers, entry.pipeline_class)(**parts.components, **parts.config)
         pipeline.save_pretrained(staging, safe_serialization=True)
         _write_real_tokenizer_forms(staging, parts.components)
@@ -127,4 +127,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     from contract.cli import run_cli
-    raise SystemExit(run_cli("python -m scripts.tiny_checkpoints", main))
+    raise SystemExit(run_cli("python -m testing.tiny_checkpoints", main))

@@ -1,16 +1,16 @@
-"""The tiny Qwen-Image checkpoint's components (scripts/tiny_checkpoints.py writes them): the
+"""The tiny Qwen-Image checkpoint's components (testing/tiny_checkpoints.py writes them): the
 real classes of QwenImagePipeline at toy sizes -- QwenImageTransformer2DModel, the 3-D causal
 AutoencoderKLQwenImage (8x spatial), a Qwen2_5_VLForConditionalGeneration text encoder with
 grouped key/value heads and a tiny vision tower (the class the pipeline names), and a
 Qwen2Tokenizer (byte-level BPE with Qwen's chat tokens) learned here from a fixed corpus.
-Constant tensors get seeded noise as in scripts/tiny_families.py.
+Constant tensors get seeded noise as in testing/tiny_families.py.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from scripts import tiny_tokenizers
-from scripts.tiny_families import Parts, _flow_scheduler, _seeded
+from testing import tiny_tokenizers
+from testing.tiny_families import Parts, _flow_scheduler, _seeded
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                  "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

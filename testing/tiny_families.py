@@ -1,4 +1,4 @@
-"""The components of each tiny checkpoint family (scripts/tiny_checkpoints.py writes them):
+"""The components of each tiny checkpoint family (testing/tiny_checkpoints.py writes them):
 real diffusers / transformers classes at toy sizes, built under a seed, with every tensor their
 initialiser leaves constant perturbed by seeded noise (so a skipped tensor or a dropped condition
 changes the output). `<family>_parts(seed)` returns the pipeline's components and extra config.
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from scripts import tiny_tokenizers
+from testing import tiny_tokenizers
 
 PERTURB_STD = 0.05    # noise added to every constant tensor (norm weights, biases, zero inits)
 
