@@ -19,7 +19,7 @@ from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
 from contract.transport import (ArtifactHandle, ConditionHandle, ConditionSignature,
                                 GraphResult, PackedTensors, StageOutput)
 from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, Trajectory
-from contract.request import (MediaInput, PromptBundle, RequestLimits, RolloutRequest,
+from contract.request import (ORDERED_MEDIA, MediaInput, PromptBundle, RequestLimits, RolloutRequest,
                               SamplingSpec, check_limits, check_requested_artifacts,
                               normalize_media)
 

@@ -89,6 +89,8 @@ class Task(str, Enum):
     I2V = "i2v"       # first frame + text -> video (no audio)
     I2VA = "i2va"     # first frame + text -> video + audio
     EDIT = "edit"     # source image (media role `image`) + instruction -> image
+    L2VA = "l2va"     # last frame + text -> video + audio
+    REF2VA = "ref2va"  # ordered image references (role `reference`, in order) + text -> video + audio
 
 
 class StopReason(str, Enum):

@@ -211,11 +211,13 @@ class RequestLimits(FrozenModel):
 
 @dataclass(frozen=True)
 class MediaInput:
-    """A conditioning media tensor: decoded uint8 image CHW / video TCHW, or float audio CT."""
+    """A conditioning media tensor: decoded uint8 image CHW / video TCHW, or float audio CT.
+    A task's ordered role (ORDERED_MEDIA: ref2va's references) takes one input per item in
+    request order; normalize_media gives it as one canonical input whose data is the tuple."""
 
     modality: Modality
     role: MediaRole
-    data: torch.Tensor | np.ndarray
+    data: torch.Tensor | np.ndarray | tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,8 @@ def check_metadata(metadata: Mapping[str, Any], field: str = "metadata",
 _VIDEO_FRAME_ROLES = {MediaRole.IMAGE: MediaRole.FIRST_FRAME}  # alias -> canonical role
 # tasks whose `image` condition is the first frame
 _VIDEO_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA)
+# tasks whose inputs of one role are an ordered list (modality, role): the order is the request
+ORDERED_MEDIA = {Task.REF2VA: (Modality.IMAGE, MediaRole.REFERENCE)}
 
 
 def _as_tensor(data: torch.Tensor | np.ndarray, field_name: str, request_id: str) -> torch.Tensor:
@@ -341,15 +345,32 @@ def _as_tensor(data: torch.Tensor | np.ndarray, field_name: str, request_id: str
 
 def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
                     request_id: str) -> dict[MediaRole, MediaInput]:
-    """Canonical role -> input. Rejects duplicates and conflicting aliases (RFC 4.3)."""
+    """Canonical role -> input. Rejects duplicates and conflicting aliases (RFC 4.3). A task's
+    ordered role (ORDERED_MEDIA) collects its inputs in request order into one input whose data
+    is the tuple of tensors."""
     if media is None:
         return {}
     by_key: dict[tuple[Modality, MediaRole], int] = {}
     canonical: dict[MediaRole, tuple[int, MediaInput]] = {}
+    ordered_modality, ordered_role = ORDERED_MEDIA.get(task, (None, None))
+    ordered: list[torch.Tensor] = []
     for i, item in enumerate(media):
         if not isinstance(item, MediaInput):
             raise InvalidRequestError("media entries must be MediaInput", field=f"media[{i}]",
                                       actual=type(item).__name__, request_id=request_id)
+        if item.role is ordered_role:
+            if item.modality is not ordered_modality:
+                raise MediaFormatError(f"task {task.value} takes {ordered_role.value} inputs of "
+                                       f"modality {ordered_modality.value}",
+                                       field=f"media[{i}].modality",
+                                       expected=ordered_modality.value,
+                                       actual=getattr(item.modality, "value", item.modality),
+                                       request_id=request_id)
+            tensor = _as_tensor(item.data, f"media[{i}].data", request_id)
+            _check_media_tensor(tensor, item.modality, f"media[{i}].data", request_id)
+            ordered.append(tensor)
+            canonical.setdefault(ordered_role, (i, item))
+            continue
         key = (item.modality, item.role)
         if key in by_key:
             raise DuplicateInputError(
@@ -371,6 +392,9 @@ def normalize_media(media: tuple[MediaInput, ...] | None, task: Task,
                     actual=tuple(tensor.shape), request_id=request_id)
             continue
         canonical[role] = (i, normalized)
+    if ordered:
+        canonical[ordered_role] = (canonical[ordered_role][0],
+                                   MediaInput(ordered_modality, ordered_role, tuple(ordered)))
     return {role: item for role, (_, item) in canonical.items()}
 
 
