@@ -53,7 +53,8 @@ def build_encoder(config: GraphConfig) -> Application:
     return serve.deployment(TextEncoderServer, **encoder_options(config),
                             **routing_options(config)).bind(
         config.adapter, config.weights_path, enc.etp, enc.device, enc.dtype,
-        config.adapter_options, enc.prompt_cache_bytes)
+        config.adapter_options, enc.prompt_cache_bytes, enc.max_batch_size,
+        enc.batch_wait_timeout_s)
 
 
 def build_rollout(config: GraphConfig) -> Application:

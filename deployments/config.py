@@ -103,12 +103,27 @@ class StageOptions(Model):
             raise ValueError(f"{exc.message} ({exc.field}={exc.actual!r})") from None
 
 
+class MicroBatch(Model):
+    """A stage's `@serve.batch` micro-batch of concurrent calls (deployments/microbatch.py)."""
+
+    max_batch_size: int = Field(8, ge=1, description="Calls in one micro-batch at most.")
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, le=1.0, description="How long a micro-batch waits for more calls after its "
+        "first. 0: a call alone runs at once and calls arriving meanwhile queue into the next "
+        "batch (batches form under load, a lone request never waits; bench/graph_bench).")
+
+
 class IngressStage(StageOptions):
     memory_mib: int | None = Field(2048, ge=64, description="The ingress holds no tensors (only "
                                    "the tokenizer): 2 GiB bounds it for every model family.")
 
 
-class EncoderStage(StageOptions):
+class EncoderStage(StageOptions, MicroBatch):
+    """The text encoder: concurrent calls' uncached prompts (requests' prompts and their CFG
+    negatives) run in one forward."""
+
+    max_batch_size: int = Field(16, ge=1, description="Calls whose uncached prompts share one "
+                                "encoder forward at most.")
     etp: int = Field(1, ge=1, description="Encoder tensor-parallel degree (shard workers).")
     num_cpus_per_shard: float = Field(0.25, gt=0)
     num_gpus_per_shard: float = Field(0.0, ge=0, description="1 per shard for nccl on GPU.")
@@ -202,8 +217,9 @@ class ScorerStageOptions(StageOptions):
         return opts
 
 
-class ScorerStage(Model):
-    """One scorer deployment (a scorer family): what it is, what it reads, how it counts."""
+class ScorerStage(MicroBatch):
+    """One scorer deployment (a scorer family): what it is, what it reads, how it counts;
+    concurrent requests' samples of one media shape are scored in one call."""
 
     name: str
     scorer: ScorerSpec = Field(description="Scorer kind and parameters (rewards.registry).")
@@ -212,11 +228,6 @@ class ScorerStage(Model):
     reward: ScorerWeight = Field(default_factory=ScorerWeight,
                                  description="Weight, required/optional policy, timeout.")
     stage: ScorerStageOptions = Field(default_factory=ScorerStageOptions)
-    max_batch_size: int = Field(8, ge=1, description="@serve.batch micro-batch (requests).")
-    batch_wait_timeout_s: float = Field(
-        0.0, ge=0, le=1.0, description="How long a micro-batch waits for more calls after its "
-        "first. 0: a call alone is scored at once and calls arriving meanwhile queue into the "
-        "next batch (batches form under load, a lone request never waits; bench/graph_bench).")
 
 
 class HttpOptions(Model):

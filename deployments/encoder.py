@@ -16,6 +16,13 @@ keyed by its ids per encoder and stamped with the encoders' version (a digest of
 `encoding.encoder_version`); a group's requests, its null / negative prompt and every later
 epoch over the same prompts are encoded once. Hits and misses are Serve counters
 (`omni_encoder_cache_{hits,misses}`) and `cache_stats()`.
+
+Micro-batching (`encoder.max_batch_size`, `encoder.batch_wait_timeout_s`): the prompts that miss
+the cache in concurrent calls -- several requests' prompts and their CFG negatives, which the
+ingress sends at once -- run in one forward (`@serve.batch`; `encoding.encode_together`, each
+distinct prompt once); a joint forward that raises is redone call by call, so a failing call
+fails alone (`deployments/microbatch.py`). Calls with condition media (MiniMax-H3's keyframes,
+Qwen-Image-Edit's source) run one at a time. `cache_stats()` counts forwards and their rows.
 """
 from __future__ import annotations
 
@@ -25,15 +32,18 @@ import socket
 from typing import Any, Mapping, Sequence
 
 import torch
+from ray import serve
 
 from adapters.registry import get_family
-from contract import (Condition, ConfigError, InvalidRequestError, MediaRole, PromptBundle,
-                      ReplicaFailedError, RolloutError)
+from contract import (Condition, ConfigError, InvalidRequestError, MediaRole,
+                      NonFiniteOutputError, PromptBundle, ReplicaFailedError, RolloutError)
 from deployments.encoding import (PromptEmbeddingCache, encode_cached, encode_prompts,
-                                  encoder_version, load_encoders)
+                                  encode_together, encoder_version, load_encoders)
 from deployments.etp import ShardWorker, check_family_etp, param_bytes
 from deployments.memory import guard_replica_memory
 from deployments.metrics import CacheMetrics, StageMetrics
+from deployments.microbatch import in_serve_replica, run_isolated
+from rollout.recorder import check_finite
 
 SHARD_ENV = {"GLOO_SOCKET_IFNAME": "lo"}   # gloo over loopback (all bundles on one node)
 
@@ -44,6 +54,18 @@ def _check_shard_gpus(device: str, gpus_per_shard: Sequence[float]) -> None:
         raise ConfigError("ETP on cuda needs one GPU per shard worker (nccl ranks cannot share "
                           "a GPU)", field="num_gpus_per_shard", expected=1.0,
                           actual=min(gpus_per_shard))
+
+
+def _finite_or_error(cond: Condition) -> Condition | NonFiniteOutputError:
+    """One call's encoding, or the error that fails that call alone when a row of it is NaN /
+    Inf (the encoder's fault: never handed to a rollout)."""
+    try:
+        for name, tensor in cond.tensors.items():
+            if tensor.is_floating_point():
+                check_finite(tensor, f"condition.{name}", None)
+    except NonFiniteOutputError as exc:
+        return exc
+    return cond
 
 
 def _free_loopback_port() -> int:
@@ -85,7 +107,8 @@ class TextEncoderServer:
 
     def __init__(self, adapter: str, weights_path: str | None = None, etp: int = 1,
                  device: str = "cpu", dtype: str = "float32", options: dict | None = None,
-                 prompt_cache_bytes: int = 0):
+                 prompt_cache_bytes: int = 0, max_batch_size: int = 16,
+                 batch_wait_timeout_s: float = 0.0):
         self.memory_guard = guard_replica_memory("TextEncoder")
         self.cache = PromptEmbeddingCache(prompt_cache_bytes)
         self.family = get_family(adapter, weights_path, options)
@@ -98,6 +121,7 @@ class TextEncoderServer:
         self._failed: str | None = None
         self.metrics: StageMetrics | None = None
         self.cache_metrics: CacheMetrics | None = None
+        self.forwards = self.forward_rows = 0      # encoder forwards run, prompts in them
         if etp == 1:
             self.encoders = load_encoders(self.family, self.device, dtype)
             self.version = encoder_version(self.family, self.encoders, dtype)
@@ -109,6 +133,10 @@ class TextEncoderServer:
         import ray
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
             self.metrics, self.cache_metrics = StageMetrics("encoder"), CacheMetrics("encoder")
+        self._in_replica = in_serve_replica()   # serve.batch needs one; in-process: no batching
+        if self._in_replica:
+            self._encode_batch.set_max_batch_size(max_batch_size)
+            self._encode_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     def _start_workers(self, adapter: str, weights_path: str | None, device: str,
                        dtype: str) -> None:
@@ -158,14 +186,43 @@ class TextEncoderServer:
         return cond
 
     async def _encode_uncached(self, prompts: list[PromptBundle], media=None) -> Condition:
+        """Prompts the cache did not hold: with concurrent calls' in one forward (media calls
+        alone); this call's rows, or the error that fails this call alone."""
+        if media is not None:
+            return await self._forward(prompts, media)
+        if self._in_replica:
+            result = await self._encode_batch(prompts)
+        else:
+            [result] = await self._encode_calls([prompts])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)   # set from the config
+    async def _encode_batch(self, calls: list[list[PromptBundle]]) -> list[Condition | Exception]:
+        return await self._encode_calls(calls)
+
+    async def _encode_calls(self, calls: Sequence[Sequence[PromptBundle]]
+                            ) -> list[Condition | Exception]:
+        """Concurrent calls' prompts in one forward (each distinct prompt once); a forward that
+        raises is redone call by call, each failing call getting its own error."""
+        async def run(group: list[Sequence[PromptBundle]]) -> list[Condition | Exception]:
+            conds = await encode_together(self.family, group, self._forward)
+            return [_finite_or_error(cond) for cond in conds]
+        return await run_isolated(list(calls), lambda call: None, run)
+
+    async def _forward(self, prompts: list[PromptBundle], media=None) -> Condition:
+        self.forwards += 1
+        self.forward_rows += len(prompts)
         if self.metrics is None:
             return await self._run_encoders(prompts, media)
         with self.metrics.track(len(prompts)):
             return await self._run_encoders(prompts, media)
 
     async def _run_encoders(self, prompts: list[PromptBundle], media=None) -> Condition:
-        if self.etp == 1:
-            return encode_prompts(self.family, self.encoders, prompts, media)
+        if self.etp == 1:      # in a thread: calls arriving meanwhile form the next batch
+            return await asyncio.to_thread(encode_prompts, self.family, self.encoders, prompts,
+                                           media)
         return (await self._on_all_ranks("encode", prompts, media))[0]
 
     def _check_media(self, prompts: list[PromptBundle], media) -> list[dict]:
@@ -195,8 +252,10 @@ class TextEncoderServer:
 
     async def cache_stats(self) -> dict[str, int | str]:
         """The prompt-embedding cache's hits, misses, evictions, entries and bytes (of its
-        bound), and the encoder version its entries are stamped with."""
-        return {**self.cache.stats(), "encoder_version": self.version}
+        bound), the encoder forwards run and their rows (prompts), and the encoder version its
+        entries are stamped with."""
+        return {**self.cache.stats(), "forwards": self.forwards,
+                "forward_rows": self.forward_rows, "encoder_version": self.version}
 
     async def _on_all_ranks(self, method: str, *args) -> list[Any]:
         """Call `method` on every shard worker; a dead worker fails the replica (typed)."""

@@ -139,6 +139,24 @@ class PromptEmbeddingCache:
                     "max_bytes": self.max_bytes}
 
 
+async def encode_together(family: ModelFamily, calls: Sequence[Sequence[PromptBundle]],
+                          encode) -> list[Condition]:
+    """Several calls' prompts in one `await encode(prompts)`: each distinct prompt (by
+    `prompt_key`) once, in first-arrival order; per call, its rows in its order with their ids,
+    as `encode(call)` alone returns them (a conditioner's rows never depend on their batch
+    mates: every family pads each prompt to its own fixed window)."""
+    keys = [[prompt_key(family, p) for p in call] for call in calls]
+    index: dict[PromptKey, int] = {}
+    distinct: list[PromptBundle] = []
+    for call, call_keys in zip(calls, keys):
+        for prompt, key in zip(call, call_keys):
+            if key not in index:
+                index[key] = len(distinct)
+                distinct.append(prompt)
+    fresh: Condition = await encode(distinct)
+    return [fresh.index_select([index[k] for k in call_keys]) for call_keys in keys]
+
+
 async def encode_cached(family: ModelFamily, cache: PromptEmbeddingCache, version: str,
                         prompts: Sequence[PromptBundle], encode) -> Condition:
     """The prompts' Condition with each distinct uncached prompt encoded once: `await
