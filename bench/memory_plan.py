@@ -21,7 +21,8 @@ Per process, in bytes (GB = 1e9 B):
 Parameters, gradients and optimizer state are exact counts of the built modules; activations
 are an ESTIMATE: per block, rows x tokens x hidden x bytes x a factor (inference 4 + ffn / hidden
 for one block's live tensors; training without checkpointing 16 + 2 ffn / hidden per block,
-with gradient checkpointing one block's worth plus each block's saved input). Fit: the sum
+with gradient checkpointing one block's worth plus each block's saved input; hidden: the input
+width most of the blocks' Linear weights read, ffn: mlp_width). Fit: the sum
 against 80 GB (H100) and 141 GB (H200), no allowance for the CUDA context or fragmentation.
 """
 from __future__ import annotations
@@ -86,15 +87,35 @@ class ModuleCount:
                                         for p in m.parameters(recurse=False)}.values())
         lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)
                  and len(m) > 1 and all(type(c) is type(m[0]) for c in m)]
-        blocks = sum(len(m) for m in lists if not any(m is not o and _inside(m, o)
-                                                      for o in lists))
-        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-        hidden = max((m.in_features for m in linears), key=lambda n: sum(
-            1 for x in linears if x.in_features == n), default=0)
-        wider = [m.out_features for m in linears
-                 if m.in_features == hidden and m.out_features > hidden]
-        ffn = max(set(wider), key=wider.count) if wider else 4 * hidden   # the MLP's width
-        return cls(params, split, blocks, hidden, ffn)
+        outer = [m for m in lists if not any(m is not o and _inside(m, o) for o in lists)]
+        blocks = sum(len(m) for m in outer)
+        # the hidden size: the input width that most of the blocks' Linear weights read (the
+        # whole module's Linears where it has no blocks)
+        linears = [m for m in (nn.ModuleList(outer) if outer else module).modules()
+                   if isinstance(m, nn.Linear)]
+        weights: dict[int, int] = {}
+        for m in linears:
+            weights[m.in_features] = weights.get(m.in_features, 0) + m.weight.numel()
+        hidden = max(weights, key=weights.get, default=0)
+        return cls(params, split, blocks, hidden, mlp_width(module, hidden))
+
+
+def mlp_width(module: nn.Module, hidden: int) -> int:
+    """The MLP's inner width: the input width of the down projections (Linear inner -> hidden)
+    outside the attention modules whose width an up projection (hidden -> inner, or
+    hidden -> 2 x inner for a fused gated projection: diffusers' SwiGLU / GEGLU) produces;
+    0 for a module without one. Attention is left out because its inner width (heads x head
+    dim) need not be the hidden size (MiniMax-H3: 56 x 128 = 7168 over a 5376 hidden), and an
+    up projection is asked for because a modulation (hidden -> 6 hidden) or a block's joint
+    output projection (hidden + MLP -> hidden) is no MLP."""
+    attention = {id(l) for m in module.modules() if "Attention" in type(m).__name__
+                 for l in m.modules()}
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in attention]
+    up = {w for m in linears if m.in_features == hidden and m.out_features > hidden
+          for w in (m.out_features, m.out_features // 2)}
+    down = [m.in_features for m in linears
+            if m.out_features == hidden and m.in_features > hidden and m.in_features in up]
+    return max(set(down), key=lambda w: (down.count(w), w)) if down else 0
 
 
 def _inside(inner: nn.Module, outer: nn.Module) -> bool:

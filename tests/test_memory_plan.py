@@ -2,7 +2,8 @@
 hold: the tiny SD3 checkpoint's modules built on the meta device from its configs, against the
 same modules loaded with weights -- text encoders (the encoder stage), transformer (the rollout
 replica), VAE (the decoder) -- and a LoRA learner after one optimizer step (parameters,
-gradients, AdamW state), each within 10 %."""
+gradients, AdamW state), each within 10 %. At real sizes, every shipped description: the
+planner's parameter counts and MLP widths against the classes its model_index.json names."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,3 +83,51 @@ def test_plan_of_full_fine_tuning_shards_over_the_workers(tiny_checkpoint):
     assert one.gradients == pytest.approx(4 * four.gradients, rel=1e-6)
     # fp32 masters + bf16-or-fp32 old / reference copies, AdamW's two fp32 moments
     assert one.optimizer == 2 * one.gradients
+
+
+def _real_module(root, component: str):
+    """The class model_index.json names, built on the meta device from the component's config
+    with the library's own constructor (not the planner's builder)."""
+    import importlib
+    import json
+
+    import diffusers.pipelines
+    library, name = json.loads((root / "model_index.json").read_text())[component]
+    module = importlib.import_module(library) if library in ("diffusers", "transformers") \
+        else getattr(diffusers.pipelines, library)
+    cls = getattr(module, name)
+    with torch.device("meta"):
+        if library == "transformers":
+            return cls(cls.config_class.from_pretrained(root / component))
+        return cls.from_config(cls.load_config(root / component))
+
+
+def _declared_mlp_width(module) -> int:
+    """The MLP width the config declares: ffn_dim (Wan, MiniMax-H3), intermediate_size / d_ff
+    (the text encoders, on their text config), else diffusers' FeedForward default of
+    4 x the attention width (SD3, FLUX, Qwen-Image, LTX-2's video stream)."""
+    config = module.config
+    config = getattr(config, "text_config", None) or config
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return get("ffn_dim") or get("intermediate_size") or get("d_ff") or \
+        4 * get("num_attention_heads") * get("attention_head_dim")
+
+
+@pytest.mark.parametrize("architecture", ["sd3.5-medium", "sd3.5-large", "flux.1-dev",
+                                          "wan2.1-t2v-14b", "wan2.2-t2v-a14b", "ltx-2",
+                                          "qwen-image", "minimax-h3"])
+def test_plan_counts_the_real_classes_parameters_and_mlp_widths(architecture):
+    """Every shipped description: the planner's parameter count of each component equals
+    sum(p.numel()) of the class model_index.json names, built on the meta device; the MLP
+    width it sizes activations by is the one the config declares (MiniMax-H3: ffn_dim 14336,
+    not its attention width 56 x 128 = 7168)."""
+    from adapters.architectures import architecture_root
+    plan = plan_memory(architecture, _settings(height=None, width=None), None, workers=(2,),
+                       etps=(1,))
+    root = architecture_root(architecture)
+    assert plan.components
+    for component, count in plan.components.items():
+        real = _real_module(root, component)
+        assert count["params"] == sum(p.numel() for p in real.parameters()), component
+        if "transformer" in component or "text_encoder" in component:
+            assert count["ffn"] == _declared_mlp_width(real), (component, count)
