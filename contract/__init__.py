@@ -18,9 +18,9 @@ from contract.errors import (ConfigError, ConflictingInputError, DatasetError,
                              MalformedBodyError)
 from contract.transport import (ArtifactHandle, ConditionHandle, ConditionSignature,
                                 GraphResult, PackedTensors, StageOutput)
-from contract.outputs import RewardReport, RolloutOutput, ScorerOutput, Trajectory
-from contract.request import (ORDERED_MEDIA, MediaInput, PromptBundle, RequestLimits, RolloutRequest,
-                              SamplingSpec, check_limits, check_requested_artifacts,
-                              normalize_media)
+from contract.outputs import RewardReport, RolloutOutput, RolloutTree, ScorerOutput, Trajectory
+from contract.request import (ORDERED_MEDIA, BranchSpec, MediaInput, PromptBundle, RequestLimits,
+                              RolloutRequest, SamplingSpec, check_branch, check_limits,
+                              check_requested_artifacts, normalize_media)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -32,10 +32,36 @@ _VALUE_BOUNDS = {"samples_per_prompt": "max_samples_per_prompt", "num_steps": "m
                  "height": "max_height", "width": "max_width", "num_frames": "max_frames",
                  "guidance_scale": "max_guidance_scale"}
 _COUNT_BOUNDS = {"prompts": "max_prompts", "negative_prompts": "max_prompts",
-                 "artifacts": "max_artifacts", "metadata": "max_prompts", "images": "max_prompts"}
+                 "artifacts": "max_artifacts", "metadata": "max_prompts", "images": "max_prompts",
+                 "media": "max_prompts"}
+MAX_HTTP_REFERENCES = 16  # references one prompt's body may list (a family takes fewer: typed)
 _MetaText = Annotated[str, StringConstraints(max_length=MAX_METADATA_CHARS)]
 _MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_CHARS)]
 PromptMetadata = dict[_MetaKey, _MetaText | int | float | bool]
+
+
+class HTTPConditionMedia(FrozenModel):
+    """One prompt's condition images by media role, each base64 of a PNG / JPEG / WebP file
+    (decoded as `images` are): keyframes and ordered references."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    first_frame: str | None = Field(None, description="The first keyframe (i2va, fl2va).")
+    last_frame: str | None = Field(None, description="The last keyframe (l2va, fl2va).")
+    reference: tuple[str, ...] | None = Field(
+        None, min_length=1, max_length=MAX_HTTP_REFERENCES,
+        description="Ordered image references (ref2va); the order is part of the request.")
+
+    @field_validator("reference", mode="before")
+    @classmethod
+    def _as_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value      # a JSON array
+
+    def given(self) -> dict[str, str | tuple[str, ...]]:
+        """role value -> what the body gave for it (roles left out are absent)."""
+        return {k: v for k, v in (("first_frame", self.first_frame),
+                                  ("last_frame", self.last_frame),
+                                  ("reference", self.reference)) if v is not None}
 
 
 class HTTPRolloutRequest(FrozenModel):
@@ -70,6 +96,10 @@ class HTTPRolloutRequest(FrozenModel):
         None, description="One source image per prompt for a task that takes one (edit): "
                           "base64 of a PNG / JPEG / WebP file, 8-bit RGB, within max_width x "
                           "max_height; decoded at the ingress, never resized or converted.")
+    media: tuple[HTTPConditionMedia, ...] | None = Field(
+        None, description="One object per prompt of the condition images its task takes by "
+                          "role ({\"first_frame\": b64, \"last_frame\": b64} for fl2va, "
+                          "{\"reference\": [b64, ...]} for ref2va), each checked as `images` are.")
 
     @model_validator(mode="before")
     @classmethod
@@ -83,7 +113,7 @@ class HTTPRolloutRequest(FrozenModel):
         return value
 
     # The bounds come from the validation context ({"limits": RequestLimits}) the ingress passes.
-    @field_validator("prompts", "negative_prompts", "artifacts", "metadata", "images",
+    @field_validator("prompts", "negative_prompts", "artifacts", "metadata", "images", "media",
                      mode="before")
     @classmethod
     def _check_count(cls, value: Any, info: ValidationInfo) -> Any:
@@ -169,6 +199,13 @@ class HTTPRolloutRequest(FrozenModel):
         if self.images is not None and len(self.images) != len(self.prompts):
             raise InvalidRequestError("one image per prompt", field="images",
                                       expected=len(self.prompts), actual=len(self.images))
+        return self
+
+    @model_validator(mode="after")
+    def _check_media_count(self) -> "HTTPRolloutRequest":
+        if self.media is not None and len(self.media) != len(self.prompts):
+            raise InvalidRequestError("one condition-media object per prompt", field="media",
+                                      expected=len(self.prompts), actual=len(self.media))
         return self
 
     @model_validator(mode="after")

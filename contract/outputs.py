@@ -40,6 +40,44 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
+class RolloutTree:
+    """The branch structure of a branch rollout (RolloutRequest.branch). Nodes in creation
+    order: the request's rows (roots, start 0, parent -1), then each fork's children, parent by
+    parent. Output row r is the leaf `leaves[r]`; its trajectory is its whole root-to-leaf path
+    (the prefix before a node's start step is its parent's, bitwise). Built by the rollout
+    engine (rollout.engine_api.build_tree), carried unchanged to the trainer and over HTTP."""
+
+    seeds: tuple[int, ...]         # per node: the seed of its noise from its start step on
+    parents: tuple[int, ...]       # per node: the parent node, -1 for a root
+    starts: tuple[int, ...]        # per node: the step it forked at (0 for a root)
+    leaves: tuple[int, ...]        # per output row: its node
+
+    def alive_at(self, step: int) -> tuple[int, ...]:
+        """The nodes whose rows run step `step`, in row order."""
+        out = []
+        for leaf in self.leaves:
+            node = leaf
+            while self.starts[node] > step:
+                node = self.parents[node]
+            if not out or out[-1] != node:
+                out.append(node)
+        return tuple(out)
+
+    def ancestor(self, leaf_row: int, step: int) -> int:
+        """The node output row `leaf_row` ran step `step` as (per-node advantages group leaves
+        by it)."""
+        node = self.leaves[leaf_row]
+        while self.starts[node] > step:
+            node = self.parents[node]
+        return node
+
+    def as_json(self) -> dict[str, list[int]]:
+        """The tree as the HTTP response carries it (seeds are 64-bit: JSON integers)."""
+        return {"seeds": list(self.seeds), "parents": list(self.parents),
+                "starts": list(self.starts), "leaves": list(self.leaves)}
+
+
+@dataclass(frozen=True)
 class ScorerOutput:
     """Named scores of one scorer for B samples, with a status (and reason) per sample.
 
@@ -86,3 +124,5 @@ class RolloutOutput:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     conditions: Mapping[str, Any] = field(default_factory=dict)   # name -> ConditionHandle
     # (contract.transport): the encoder stage's outputs, never fetched by the caller
+    tree: RolloutTree | None = None   # a branch rollout's tree: its rows are the tree's leaves
+    # (`seeds` the leaves' own seeds); None = independent rows

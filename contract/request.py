@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationInfo,
+                      field_validator)
 
 from contract.enums import MediaRole, Modality, SamplerKind, Task
 from contract.errors import (ConflictingInputError, DuplicateInputError, InvalidRequestError,
@@ -110,6 +111,48 @@ def _non_negative(ids: tuple[int, ...]) -> tuple[int, ...]:
     return ids
 
 
+def resolve_window(sampler: SamplerKind, num_steps: int,
+                   sde_window: tuple[int, int] | None) -> tuple[int, int]:
+    """The SDE window [start, end) a request runs: (0, 0) for a deterministic sampler, the
+    whole schedule minus the last step when none is given."""
+    if sampler in (SamplerKind.ODE, SamplerKind.DPM2):     # deterministic kinds
+        return (0, 0)
+    if sde_window is None:
+        return (0, max(num_steps - 1, 1))
+    return tuple(sde_window)
+
+
+class BranchSpec(FrozenModel):
+    """A branch (tree) rollout: at each fork step every row alive splits into `factor` children
+    that share its state and that step's forward, each child then drawing its own noise (its
+    own seed, rollout.engine_api.child_seed). depth = len(fork_steps); a request of n seeds
+    returns n * factor**depth rows, the tree's leaves (RolloutTree). Bounded by RequestLimits
+    (max_branch_factor, max_branch_depth, max_samples_per_prompt: check_branch)."""
+
+    fork_steps: tuple[StrictInt, ...] = Field(
+        min_length=1, description="Steps at which every row forks, strictly increasing, each "
+        "inside the schedule and before the SDE window's end (children differ only through "
+        "stochastic steps after their fork).")
+    factor: StrictInt = Field(2, ge=2, description="Children per row at each fork.")
+
+    @property
+    def depth(self) -> int:
+        return len(self.fork_steps)
+
+    def leaves(self, samples: int) -> int:
+        """Rows a request of `samples` seeds returns."""
+        return samples * self.factor ** self.depth
+
+    @field_validator("fork_steps")
+    @classmethod
+    def _check_steps(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(step < 0 for step in value):
+            raise ValueError(f"fork steps are >= 0, got {list(value)}")
+        if any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError(f"fork steps must strictly increase, got {list(value)}")
+        return value
+
+
 class SamplingSpec(FrozenModel):
     """How to sample one request's rows. Every row has its own seed."""
 
@@ -138,11 +181,7 @@ class SamplingSpec(FrozenModel):
     @property
     def window(self) -> tuple[int, int]:
         """Resolved SDE window [start, end): the whole schedule minus the last step by default."""
-        if self.sampler in (SamplerKind.ODE, SamplerKind.DPM2):     # deterministic kinds
-            return (0, 0)
-        if self.sde_window is None:
-            return (0, max(self.num_steps - 1, 1))
-        return self.sde_window
+        return resolve_window(self.sampler, self.num_steps, self.sde_window)
 
     @field_validator("noise_level")
     @classmethod
@@ -207,6 +246,11 @@ class RequestLimits(FrozenModel):
     max_artifacts: int = Field(16, ge=1, description="Names in requested_artifacts.")
     max_guidance_scale: float = Field(100.0, gt=0)
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Bytes of one HTTP body.")
+    max_branch_factor: int = Field(4, ge=2, description="Children per row at a fork of a "
+                                   "branch rollout (BranchSpec.factor).")
+    max_branch_depth: int = Field(3, ge=1, description="Forks of one branch rollout "
+                                  "(len(BranchSpec.fork_steps)); its rows, samples * factor ** "
+                                  "depth, are bounded by max_samples_per_prompt too.")
 
 
 @dataclass(frozen=True)
@@ -232,6 +276,13 @@ class RolloutRequest:
     policy_version: str | None = None                    # None = the replica's latest
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    branch: BranchSpec | None = None                     # None = independent rows
+
+    @property
+    def output_rows(self) -> int:
+        """Rows the request returns: its seeds, or a branch rollout's leaves."""
+        n = self.sampling.samples_per_prompt
+        return n if self.branch is None else self.branch.leaves(n)
 
     def __post_init__(self) -> None:
         """Field types, so a wrong one is a typed error here, not an AttributeError in a stage."""
@@ -252,7 +303,9 @@ class RolloutRequest:
                    "tuple of str or None"),
                   ("policy_version", self.policy_version is None
                    or isinstance(self.policy_version, str), "str or None"),
-                  ("metadata", isinstance(self.metadata, Mapping), "a mapping")]
+                  ("metadata", isinstance(self.metadata, Mapping), "a mapping"),
+                  ("branch", self.branch is None or isinstance(self.branch, BranchSpec),
+                   "BranchSpec or None")]
         for name, ok, expected in checks:
             if not ok:
                 raise InvalidRequestError("wrong type", field=name, expected=expected,
@@ -446,6 +499,44 @@ def check_limits(request: RolloutRequest, limits: RequestLimits) -> None:
         if value > bound:
             raise LimitExceededError(f"{name} is beyond the configured limit", field=name,
                                      expected=f"<= {bound}", actual=value, request_id=rid)
+    if request.branch is not None:
+        check_branch(request.branch, s.num_steps, s.window, len(s.seeds), limits, rid)
+
+
+def check_branch(branch: BranchSpec, num_steps: int, window: tuple[int, int], samples: int,
+                 limits: RequestLimits, request_id: str | None = None) -> None:
+    """A branch rollout against the graph's limits and its request's schedule, before any
+    work: factor and depth within their bounds, its rows (samples * factor ** depth) within
+    max_samples_per_prompt, every fork step inside the schedule and before the SDE window's
+    end (`window`, resolved: (0, 0) for a deterministic sampler -- no fork can branch it)."""
+    rid = request_id
+    if branch.factor > limits.max_branch_factor:
+        raise LimitExceededError("branch.factor is beyond the configured limit",
+                                 field="branch.factor", expected=f"<= {limits.max_branch_factor}",
+                                 actual=branch.factor, request_id=rid)
+    if branch.depth > limits.max_branch_depth:
+        raise LimitExceededError("branch depth (fork steps) is beyond the configured limit",
+                                 field="branch.fork_steps",
+                                 expected=f"<= {limits.max_branch_depth} steps",
+                                 actual=branch.depth, request_id=rid)
+    rows = branch.leaves(samples)
+    if rows > limits.max_samples_per_prompt:
+        raise LimitExceededError("a branch rollout's rows (samples * factor ** depth) are "
+                                 "beyond max_samples_per_prompt", field="branch",
+                                 expected=f"<= {limits.max_samples_per_prompt} rows",
+                                 actual=rows, request_id=rid)
+    for i, step in enumerate(branch.fork_steps):
+        if not step < num_steps:
+            raise InvalidRequestError("a fork step is outside the schedule",
+                                      field=f"branch.fork_steps[{i}]",
+                                      expected=f"< num_steps={num_steps}", actual=step,
+                                      request_id=rid)
+        if not step < window[1]:
+            raise InvalidRequestError("a fork step is at or after the SDE window's end: its "
+                                      "children would take no stochastic step and be identical",
+                                      field=f"branch.fork_steps[{i}]",
+                                      expected=f"< {window[1]} (the window {tuple(window)})",
+                                      actual=step, request_id=rid)
 
 
 def check_requested_artifacts(request: RolloutRequest, declared: tuple[str, ...]) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ import torch
 from contract.artifacts import ArtifactSpec
 from contract.enums import StopReason
 from contract.errors import InvalidRequestError
-from contract.outputs import RewardReport
+from contract.outputs import RewardReport, RolloutTree
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class StageOutput:
     encoded_token_ids: Mapping[str, tuple[int, ...]] | None = None   # ids the encoder stage saw,
     # per encoder ("negative/<encoder>" for the unconditional prompt under CFG)
     sampling: Any = None                   # the request's SamplingSpec (decoders read sizes)
+    tree: RolloutTree | None = None        # a branch rollout's tree (rows = its leaves)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class GraphResult:
     encoded_token_ids: Mapping[str, tuple[int, ...]] | None = None   # per encoder (token check)
     conditions: Mapping[str, ConditionHandle] = field(default_factory=dict)  # the encoder
     # stage's outputs by reference: "cond" and, under CFG, "uncond"
+    tree: RolloutTree | None = None        # a branch rollout's tree (rows = its leaves)
 
 
 PACK_ALIGN = 64     # byte alignment of every tensor inside a PackedTensors buffer

@@ -46,7 +46,8 @@ def materialize(result: GraphResult) -> RolloutOutput:
                          rewards=result.rewards, metrics=dict(result.metrics),
                          metadata=({"encoded_token_ids": dict(result.encoded_token_ids)}
                                    if result.encoded_token_ids is not None else {}),
-                         conditions=dict(result.conditions))     # by reference, unfetched
+                         conditions=dict(result.conditions),     # by reference, unfetched
+                         tree=result.tree)
 
 
 class RolloutClient:

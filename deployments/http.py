@@ -113,10 +113,16 @@ class HTTPFront:
 
 
     def _http_media(self, payload: HTTPRolloutRequest, task) -> list[tuple[MediaInput, ...]]:
-        """The condition media HTTP carries: an edit's source image per prompt (`images`,
-        decoded and bounded by deployments/source_images.py); any other media role is the
-        handle API's. A task without its image, or images for a task without one: typed."""
+        """The condition media HTTP carries, decoded and bounded by deployments/source_images.py:
+        an edit's source image per prompt (`images`), or per prompt the keyframes / ordered
+        references of a task that takes them (`media`, by role). A task without its media, a
+        role it does not take, or media for a task without any: typed, naming the field."""
         roles = self.family.spec.tasks[task]
+        if roles and roles != (MediaRole.IMAGE,):
+            return self._http_role_media(payload, task, roles)
+        if payload.media is not None:
+            raise InvalidRequestError(f"task {task.value} takes no condition media by role",
+                                      field="media", expected=None, actual=len(payload.media))
         if roles == (MediaRole.IMAGE,):
             if payload.images is None:
                 raise InvalidRequestError(f"task {task.value} takes one source image per prompt",
@@ -134,6 +140,35 @@ class HTTPFront:
             raise InvalidRequestError(f"task {task.value} takes no image", field="images",
                                       expected=None, actual=len(payload.images))
         return []
+
+    def _http_role_media(self, payload: HTTPRolloutRequest, task,
+                         roles) -> list[tuple[MediaInput, ...]]:
+        """`media[i]`: exactly the task's roles for every prompt; a list role (ref2va's
+        `reference`) becomes one MediaInput per image, in the body's order."""
+        want = sorted(r.value for r in roles)
+        if payload.media is None or payload.images is not None:
+            raise InvalidRequestError(f"task {task.value} takes its condition images by role in "
+                                      "`media`, one object per prompt", field="media"
+                                      if payload.media is None else "images",
+                                      expected=want, actual=None if payload.media is None
+                                      else len(payload.images))
+        out = []
+        for i, item in enumerate(payload.media):
+            given = item.given()
+            if sorted(given) != want:
+                raise InvalidRequestError(f"task {task.value} takes exactly the media roles "
+                                          f"{want}", field=f"media[{i}]", expected=want,
+                                          actual=sorted(given))
+            inputs = []
+            for role in roles:
+                value = given[role.value]
+                texts = [(f"media[{i}].{role.value}", value)] if isinstance(value, str) else \
+                    [(f"media[{i}].{role.value}[{j}]", t) for j, t in enumerate(value)]
+                inputs += [MediaInput(Modality.IMAGE, role,
+                                      decode_source_image(text, field, self.config.limits))
+                           for field, text in texts]
+            out.append(tuple(inputs))
+        return out
 
 
 def stage_error(exc: BaseException) -> BaseException:

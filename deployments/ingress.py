@@ -80,7 +80,7 @@ class RolloutGraph(HTTPFront):
         t0 = time.perf_counter()
         await self._check_prompts(batch)
         check_s = time.perf_counter() - t0
-        rows = sum(r.sampling.samples_per_prompt for r in batch)
+        rows = sum(r.output_rows for r in batch)
         with self.metrics.track(rows):
             results = await asyncio.gather(*(self._one(r, names, media, preview, check_s)
                                              for r, (names, media) in zip(batch, checked)),
@@ -192,7 +192,7 @@ class RolloutGraph(HTTPFront):
     def _validate(self, request: RolloutRequest) -> tuple[tuple[str, ...], dict]:
         """Fail fast, before any stage runs: (requested artifact names, condition media)."""
         requested = check_requested_artifacts(request, self.io_spec.names)
-        n = request.sampling.samples_per_prompt
+        n = request.output_rows            # a branch rollout's group: its leaves
         for spec in self.config.scorers:     # a group of one cannot be compared within itself
             if spec.scorer.groupwise and n < 2:
                 raise InvalidRequestError(f"scorer {spec.name!r} compares the samples of a "
@@ -351,7 +351,7 @@ class RolloutGraph(HTTPFront):
                            policy_version=stage.policy_version, seeds=stage.seeds,
                            stop_reason=stage.stop_reason, trajectory=stage.trajectory,
                            rewards=rewards, previews=previews, metrics=metrics,
-                           encoded_token_ids=stage.encoded_token_ids)
+                           encoded_token_ids=stage.encoded_token_ids, tree=stage.tree)
 
     def _muxed_video(self, plan: Mapping[str, Sequence[str]]) -> dict[str, str]:
         """{video latent: audio latent} when one decode produces a decoded video and another a
@@ -383,12 +383,12 @@ class RolloutGraph(HTTPFront):
         reading a latent gets the rollout stage's output (no decode planned for it)."""
         if not self.scorers:
             return None
-        n = request.sampling.samples_per_prompt
+        n = len(stage.seeds)             # the rows out: a branch rollout's leaves
         prompts = (request.prompt.text or "",) * n
         conditions = {role.value: data for role, data in media.items()}
         # the prompt's own metadata (OCR target text, GenEval objects...) reaches every scorer
         metadata = tuple(dict(request.metadata, **conditions, seed=seed)
-                         for seed in request.sampling.seeds)
+                         for seed in stage.seeds)
         if self._primaries is None:
             names = list(self.scorers)
             got = await asyncio.gather(*(self.scorers[k].primary.remote() for k in names))

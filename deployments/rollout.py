@@ -122,7 +122,7 @@ class DiTRolloutServer:
         version = await self._resolve(request.policy_version)
         request = dataclasses.replace(request, policy_version=version,
                                       requested_artifacts=tuple(requested))
-        with self.metrics.track(request.sampling.samples_per_prompt):
+        with self.metrics.track(request.output_rows):
             out = await self.strategy.generate(request, cond, negative)
         rid = out.request_id
         handles = {name: self.objects.put_artifact(a, rid) for name, a in out.artifacts.items()}
@@ -134,7 +134,8 @@ class DiTRolloutServer:
                            metrics={**out.metrics, "rollout_stage_s": time.perf_counter() - t0,
                                     "rollout_replica_pid": float(os.getpid())},
                            encoded_token_ids=seen_token_ids(cond, negative),
-                           sampling=self.strategy.family.sampling_as_run(request.sampling))
+                           sampling=self.strategy.family.sampling_as_run(request.sampling),
+                           tree=out.tree)
 
     async def load_lora(self, version: str, tensors: Mapping[str, torch.Tensor],
                         scale: float = 1.0) -> tuple[str, ...]:

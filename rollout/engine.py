@@ -55,7 +55,7 @@ from diffusion.samplers import DETERMINISTIC, check_noise_representable
 from diffusion.step import FrozenLatents, Guidance, doubles_rows, predict_velocity
 from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
-from rollout.engine_api import EngineRequest, EngineResult, RolloutTree
+from rollout.engine_api import EngineRequest, EngineResult, RolloutTree, build_tree
 from rollout.engine_state import BatchKey, PersistentBatch, RequestState, schedule
 from rollout.recorder import ProposedStep, RowFork, SampleRecorder, propose_stacked
 from rollout.full_weights import PolicySlots
@@ -283,7 +283,7 @@ class EmbeddedEngine:
                                       request_id=rid)
         key = BatchKey(shape, guided, request.policy_version, cond.batch_key(),
                        media.batch_key())
-        tree = RolloutTree.build(sampling.seeds, request.forks) if request.forks else None
+        tree = build_tree(sampling.seeds, request.forks) if request.forks else None
         forks = {}
         if tree is not None:
             for fork in request.forks:

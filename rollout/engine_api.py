@@ -11,7 +11,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from contract import Condition, MediaArtifact, MediaRole, RolloutRequest, StopReason, Trajectory
+from contract import (BranchSpec, Condition, MediaArtifact, MediaRole, RolloutRequest,
+                      RolloutTree, StopReason, Trajectory)
 from diffusion.noise import NoiseStream, row_seed
 
 
@@ -32,51 +33,29 @@ def child_seed(parent_seed: int, step: int, index: int) -> int:
     return row_seed(row_seed(parent_seed, NoiseStream.STEP, step), NoiseStream.INITIAL, index + 1)
 
 
-@dataclass(frozen=True)
-class RolloutTree:
-    """The branch structure of a forked request. Nodes in creation order: the request's rows
-    (roots, start 0, parent -1), then each fork's children, parent by parent. The output row r
-    is the leaf `leaves[r]`; its trajectory is its whole root-to-leaf path (the prefix before a
-    node's start step is its parent's, bitwise)."""
+def build_tree(seeds: Sequence[int], forks: Sequence[Fork]) -> RolloutTree:
+    """The tree of a request with row seeds `seeds` forked at `forks` (contract.RolloutTree):
+    the rows are the roots; at each fork every node alive gets `children` children, parent by
+    parent, child i seeded `child_seed(parent's seed, step, i)`."""
+    node_seeds, parents, starts = list(seeds), [-1] * len(seeds), [0] * len(seeds)
+    alive = list(range(len(seeds)))
+    for fork in forks:
+        children = []
+        for node in alive:
+            for i in range(fork.children):
+                node_seeds.append(child_seed(node_seeds[node], fork.step, i))
+                parents.append(node)
+                starts.append(fork.step)
+                children.append(len(node_seeds) - 1)
+        alive = children
+    return RolloutTree(tuple(node_seeds), tuple(parents), tuple(starts), tuple(alive))
 
-    seeds: tuple[int, ...]         # per node: the seed of its noise from its start step on
-    parents: tuple[int, ...]       # per node: the parent node, -1 for a root
-    starts: tuple[int, ...]        # per node: the step it forked at (0 for a root)
-    leaves: tuple[int, ...]        # per output row: its node
 
-    @classmethod
-    def build(cls, seeds: Sequence[int], forks: Sequence[Fork]) -> "RolloutTree":
-        node_seeds, parents, starts = list(seeds), [-1] * len(seeds), [0] * len(seeds)
-        alive = list(range(len(seeds)))
-        for fork in forks:
-            children = []
-            for node in alive:
-                for i in range(fork.children):
-                    node_seeds.append(child_seed(node_seeds[node], fork.step, i))
-                    parents.append(node)
-                    starts.append(fork.step)
-                    children.append(len(node_seeds) - 1)
-            alive = children
-        return cls(tuple(node_seeds), tuple(parents), tuple(starts), tuple(alive))
-
-    def alive_at(self, step: int) -> tuple[int, ...]:
-        """The nodes whose rows run step `step`, in row order."""
-        out = []
-        for leaf in self.leaves:
-            node = leaf
-            while self.starts[node] > step:
-                node = self.parents[node]
-            if not out or out[-1] != node:
-                out.append(node)
-        return tuple(out)
-
-    def ancestor(self, leaf_row: int, step: int) -> int:
-        """The node output row `leaf_row` ran step `step` as (per-node advantages group leaves
-        by it)."""
-        node = self.leaves[leaf_row]
-        while self.starts[node] > step:
-            node = self.parents[node]
-        return node
+def forks_of(branch: BranchSpec | None) -> tuple[Fork, ...]:
+    """A request's branch spec as the engine's forks (none for independent rows)."""
+    if branch is None:
+        return ()
+    return tuple(Fork(step, branch.factor) for step in branch.fork_steps)
 
 
 @dataclass(frozen=True)

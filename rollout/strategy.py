@@ -18,7 +18,7 @@ from contract import (Condition, ConfigError, InvalidRequestError, MediaRole, Re
                       RequestLimits, RolloutOutput, RolloutRequest, check_requested_artifacts)
 from rollout.config import EngineKind, RolloutConfig, StrategyKind
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import DiffusionEngine, EngineRequest, Fork
+from rollout.engine_api import DiffusionEngine, EngineRequest, forks_of
 
 
 def _build_embedded(config: RolloutConfig, family: ModelFamily) -> DiffusionEngine:
@@ -84,12 +84,14 @@ class DiffusionStrategy:
         return self.family.validate_request(request, self.limits)
 
     def lower(self, request: RolloutRequest, cond: Condition,
-              negative: Condition | None, forks: tuple[Fork, ...] = ()) -> EngineRequest:
+              negative: Condition | None) -> EngineRequest:
+        """The request for the engine; a branch rollout (request.branch) as its forks."""
+        forks = forks_of(request.branch)
         if forks and not getattr(self.engine, "supports_forks", False):
-            raise InvalidRequestError("this engine runs no tree rollouts", field="forks",
-                                      expected=(), actual=len(forks),
+            raise InvalidRequestError("this engine runs no branch rollouts", field="branch",
+                                      expected=None, actual=request.branch.model_dump(),
                                       request_id=request.request_id)
-        media = self.validate(request)
+        media = self.validate(request)      # the branch against the limits and schedule too
         # the scale the rows run at (the family's guidance rule), as the trajectory records it
         request = dataclasses.replace(request,
                                       sampling=self.family.sampling_as_run(request.sampling))
@@ -105,12 +107,11 @@ class DiffusionStrategy:
 
     # ---- run ----------------------------------------------------------------------------
     async def generate(self, request: RolloutRequest, cond: Condition,
-                       negative: Condition | None = None,
-                       forks: tuple[Fork, ...] = ()) -> RolloutOutput:
+                       negative: Condition | None = None) -> RolloutOutput:
         """cond / negative: the prompt's (and, under CFG, the unconditional) condition from
-        the encoder stage, one row each. forks: a tree rollout (EngineRequest.forks); the
-        output's rows are its leaves, `metadata["tree"]` its RolloutTree."""
-        engine_request = self.lower(request, cond, negative, forks)
+        the encoder stage, one row each. A branch rollout (request.branch): the output's rows
+        are the tree's leaves (their own seeds), `tree` the engine's RolloutTree."""
+        engine_request = self.lower(request, cond, negative)
         result = await self.engine.generate(engine_request)
         names, latent_names = self.resolve_artifacts(request)
         io_spec = self.family.io_spec
@@ -123,7 +124,7 @@ class DiffusionStrategy:
             stop_reason=result.stop_reason,
             metrics=dict(result.metrics),
             metadata={"requested_artifacts": names, "latent_artifacts": latent_names,
-                      "decode": decode, **({"tree": result.tree} if result.tree else {})})
+                      "decode": decode}, tree=result.tree)
 
 
 STRATEGY_BUILDERS: Mapping[StrategyKind, Callable[[RolloutConfig, RequestLimits], object]] = {

@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from contract import Algorithm, ConfigError, InvalidRequestError, SamplerKind, Task
-from contract.request import MIN_NOISE_LEVEL
+from contract import (Algorithm, BranchSpec, ConfigError, InvalidRequestError, RolloutError,
+                      SamplerKind, Task, check_branch)
+from contract.request import MIN_NOISE_LEVEL, resolve_window
 from deployments.config import GraphConfig, config_error, load_graph_config, read_yaml
 from diffusion.windows import flash_post_points, sliding_sde_window, sliding_window_exhausted
 from trainer.algorithms import (AWMWeighting, KLTarget, OldLogProbs, OldPolicySchedule,
@@ -165,6 +166,10 @@ class FlowGRPOConfig(Model):
         TreeAdvantage.BRANCH_DEPTHWISE, description="Branched rollouts (rows forked mid-denoise, "
         "updates.plan_tree_update): branch_depthwise = BranchGRPO's per-depth z-scores of "
         "leaf-mean node rewards; tree_backprop = TreeGRPO's leaf z-scores averaged up the tree.")
+    branch: BranchSpec | None = Field(
+        None, description="Tree GRPO: every training request is a branch rollout (fork_steps, "
+        "factor; contract.BranchSpec, bounded by the graph's limits) and each step trains with "
+        "the advantage of the node it enters (tree_advantage); None = independent rows.")
     guard_reweight: bool = Field(
         True, description="grpo_guard: divide each step's loss by sigma - sigma_next (verl-omni; "
         "false: Flow-Factory's unweighted loss). Only with ratio: grpo_guard.")
@@ -355,6 +360,7 @@ class TrainerConfig(Model):
             raise ValueError("advantage.zero_advantage does not apply to dpo: it trains one "
                              "(best, worst) pair per group and a tied group has none")
         self._check_flash()
+        self._check_branch()
         w = self.sampler.sliding_window
         if w is not None:
             empty = sliding_window_exhausted(self.sampler.num_steps, w.size, w.shift_every,
@@ -365,6 +371,24 @@ class TrainerConfig(Model):
                                  f"shift_every or fewer steps")
         check_recipe(self)
         return self
+
+    def _check_branch(self) -> None:
+        """Tree GRPO: flow_grpo on one fixed SDE window, every fork step inside it."""
+        branch, s = self.flow_grpo.branch, self.sampler
+        if branch is None:
+            return
+        if self.algorithm is not Algorithm.FLOW_GRPO:
+            raise ValueError("flow_grpo.branch (Tree GRPO) trains flow_grpo's per-node "
+                             f"advantages: algorithm must be flow_grpo, not {self.algorithm.value}")
+        if s.window_size is not None or s.sliding_window is not None:
+            raise ValueError("flow_grpo.branch forks inside one fixed SDE window: give "
+                             "sampler.window (or none), not window_size / sliding_window")
+        window = resolve_window(s.sampler, s.num_steps, s.window)
+        for i, step in enumerate(branch.fork_steps):
+            if not step < window[1]:
+                raise ValueError(f"flow_grpo.branch.fork_steps[{i}]={step} must lie before the "
+                                 f"SDE window's end {window[1]} (window {window}, num_steps="
+                                 f"{s.num_steps}): its children would be identical")
 
     def _check_flash(self) -> None:
         """Every SDE window the run samples must leave MixGRPO-Flash >= 2 points after it."""
@@ -466,6 +490,16 @@ def check_group_sizes(cfg: "TrainerConfig", graph: GraphConfig) -> None:
     """A groupwise scorer (rewards/groupwise.py) compares each sample with its prompt group, so
     every request the trainer sends needs two or more samples: the training groups have them
     (samples_per_prompt >= 2), evaluation must too. A ConfigError naming the field."""
+    branch = cfg.flow_grpo.branch
+    if branch is not None:          # the graph's limits, as every request of the run meets them
+        s = cfg.sampler
+        try:
+            check_branch(branch, s.num_steps, resolve_window(s.sampler, s.num_steps, s.window),
+                         cfg.samples_per_prompt, graph.limits)
+        except RolloutError as exc:
+            raise ConfigError(f"flow_grpo.branch against the graph's limits: {exc.message}",
+                              field=f"flow_grpo.{exc.field}", expected=exc.expected,
+                              actual=exc.actual) from None
     groupwise = [s.name for s in graph.scorers if s.scorer.groupwise]
     if groupwise and cfg.eval.samples_per_prompt < 2:
         raise ConfigError(f"groupwise scorers {groupwise} compare the samples of a prompt "

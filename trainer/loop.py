@@ -138,6 +138,15 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         return version
 
     # ---- rollouts ------------------------------------------------------------------------------
+    @property
+    def tree_branch(self):
+        """Tree GRPO (flow_grpo.branch): the branch every training request asks for; the
+        outputs' trees give the batch its node ids (build_batch) and plan_update per-node
+        advantages. None = independent rows."""
+        if self.cfg.algorithm is not Algorithm.FLOW_GRPO:
+            return None
+        return self.cfg.flow_grpo.branch
+
     def submit(self, k: int, version: str | None = None) -> Pending:
         """Step k's rollouts with the latest sampling version (or `version`); the prompts come
         from the feed (scorer metadata and condition media with them)."""
@@ -147,7 +156,7 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
                                  seed=(cfg.seed * 100_003 + k) * 1000,
                                  version=version or self.sampling_versions[-1],
                                  metadata=batch.metadata, media=batch.media, task=cfg.task,
-                                 step=k)
+                                 step=k, branch=self.tree_branch)
         return Pending(k, batch.bundles, requests, self.client.submit(requests),
                        time.perf_counter(), batch.data_state)
 

@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 import torch
 
 from adapters.family import ModelFamily
-from contract import (PromptBundle, Representation, RolloutRequest, SamplerKind, SamplingSpec,
-                      Task)
+from contract import (BranchSpec, PromptBundle, Representation, RolloutRequest, SamplerKind,
+                      SamplingSpec, Task)
 from diffusion.samplers import DETERMINISTIC
 from diffusion.windows import sample_sde_window, sliding_sde_window
 from trainer.config import PromptSource, SamplerSettings
@@ -58,10 +58,12 @@ def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
                   settings: SamplerSettings, group: int, seed: int, version: str | None,
                   sampler: SamplerKind | None = None, num_steps: int | None = None,
                   metadata: Sequence[dict] | None = None, media: Sequence | None = None,
-                  task: Task | None = None, step: int = 0) -> list[RolloutRequest]:
+                  task: Task | None = None, step: int = 0,
+                  branch: BranchSpec | None = None) -> list[RolloutRequest]:
     """One request per prompt, `group` rows each with seeds seed + i*group + j; metadata[i]
     (handed to the scorers) and media[i] (condition media) per prompt when given; `task`
-    (None = the family's first); `step`: the optimizer step sampled for (sliding windows)."""
+    (None = the family's first); `step`: the optimizer step sampled for (sliding windows);
+    `branch`: every request a branch rollout (Tree GRPO), its rows the tree's leaves."""
     kind = sampler or settings.sampler
     out = []
     for i, bundle in enumerate(bundles):
@@ -77,7 +79,8 @@ def make_requests(adapter: ModelFamily, bundles: Sequence[PromptBundle],
                                   task=task or next(iter(adapter.spec.tasks)),
                                   media=media[i] if media else None,
                                   requested_artifacts=None, policy_version=version,
-                                  metadata=dict(metadata[i]) if metadata else {}))
+                                  metadata=dict(metadata[i]) if metadata else {},
+                                  branch=branch))
     return out
 
 

@@ -22,6 +22,7 @@ from contract import (Condition, ConditionHandle, ConditionSignature,
                       RolloutRequest, SamplingSpec, Trajectory, normalize_media)
 from contract.errors import EncoderVersionError
 from diffusion.step import doubles_rows
+from trainer.algorithms.tree import tree_node_ids
 from trainer.learner import Learner, encode_media_conditions, request_inputs, state_from_latents
 
 
@@ -171,6 +172,9 @@ class Batch:
     # (clean) at every step -- held in the trainer's noised inputs too; None = none
     sigmas: torch.Tensor | None = None  # (N+1,) the rollouts' sigma table (conditions may
     # change it, e.g. LTX-2's keyframe tokens); None = family.sigmas(sampling)
+    node_of: torch.Tensor | None = None  # branch rollouts: (B, N+1) int64, the node row b is at
+    # after j steps (trainer.algorithms.tree_node_ids of the outputs' trees); None = no output
+    # forked (FlowGRPO then trains per-row advantages, a tree batch per-node ones)
 
     @property
     def rows(self) -> int:
@@ -195,7 +199,8 @@ class Batch:
             inputs={k: v[index] for k, v in self.inputs.items()},
             versions=tuple(self.versions[i] for i in index.tolist()),
             reward_values={k: v[index] for k, v in self.reward_values.items()},
-            window_groups=groups, seeds=tuple(self.seeds[i] for i in index.tolist()))
+            window_groups=groups, seeds=tuple(self.seeds[i] for i in index.tolist()),
+            node_of=None if self.node_of is None else self.node_of[index])
 
 
 def _traj_rows(traj: Trajectory, keep: torch.Tensor) -> Trajectory:
@@ -289,6 +294,17 @@ def build_batch(learner: Learner | StageConditions, prompts: Sequence[PromptBund
         media)
     windows = _window_groups([o.trajectory for o in outputs], repeats)
     weights = dict(outputs[0].rewards.weights)
+    sigmas = family.request_sigmas(samplings[0], conditions[0])
+    node_of = None
+    if any(o.tree is not None for o in outputs):      # a branch rollout: its rows' nodes
+        for o in outputs:
+            if o.tree is not None and len(o.tree.leaves) != len(o.seeds):
+                raise InvalidRequestError("a branch rollout's rows are its tree's leaves",
+                                          field="tree.leaves", expected=len(o.seeds),
+                                          actual=len(o.tree.leaves), request_id=o.request_id)
+        node_of = tree_node_ids([o.tree for o in outputs], repeats,
+                                int(windows[0][1].sigmas.shape[0]) - 1 if windows
+                                else int(sigmas.shape[0]) - 1)
     return Batch(torch.cat(states), torch.tensor(rewards, dtype=torch.float32), tuple(groups),
                  cond, windows[0][1] if len(windows) == 1 else None, tuple(versions),
                  scores, samplings[0],
@@ -297,4 +313,4 @@ def build_batch(learner: Learner | StageConditions, prompts: Sequence[PromptBund
                  learner.forward_inputs(samplings, media, repeats, conditions),
                  tuple(s for o in outputs for s in o.seeds),
                  _one_mask([None if c.frozen is None else c.frozen.mask for c in conditions]),
-                 family.request_sigmas(samplings[0], conditions[0]))
+                 sigmas, node_of)

@@ -28,10 +28,9 @@ from trainer.algorithms import (StdScope, awm_log_prob, awm_loss, best_worst_pai
                                 zero_advantage_groups, zero_advantage_rows, KLTarget,
                                 REFERENCE_ZERO_ADVANTAGE, PolicyRatio, grpo_guard_loss,
                                 reusable_rows, rollout_old_log_probs)
-from rollout.engine_api import RolloutTree
 from trainer.algorithms.modality import stream_advantages, stream_masks
 from trainer.algorithms.nft import TimestepOrder
-from trainer.algorithms.tree import edge_weights, tree_advantages
+from trainer.algorithms.tree import edge_weights, tree_advantages, tree_node_ids  # noqa: F401
 from trainer.config import TrainerConfig
 from trainer.learner import Learner
 from trainer.lora import PolicyRole
@@ -107,6 +106,13 @@ def plan_update(algorithm: Algorithm, batch: Batch, cfg: TrainerConfig,
     version the learner's current (pre-step) weights were published as; None = the batch's
     one sampling version (a batch the learner sampled itself; several versions need it)."""
     algorithm = Algorithm(algorithm)
+    if batch.node_of is not None:           # branch rollouts: per-node advantages (Tree GRPO)
+        if algorithm is not Algorithm.FLOW_GRPO:
+            raise InvalidRequestError("branch rollouts train with flow_grpo's per-node "
+                                      "advantages", field="algorithm",
+                                      expected=Algorithm.FLOW_GRPO.value,
+                                      actual=algorithm.value)
+        return plan_tree_update(batch, cfg, gen, batch.node_of, old_version)
     noise_seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     if algorithm is Algorithm.DPO:
         pairs = best_worst_pairs(batch.rewards, batch.group_ids)
@@ -174,24 +180,6 @@ def plan_tree_update(batch: Batch, cfg: TrainerConfig, gen: torch.Generator,
                "old_logprob_reused_rows": float(reused.sum())}
     return UpdatePlan(Algorithm.FLOW_GRPO, batch, values, batch.rows, noise_seed, metrics,
                       old_version=old_version, edge_weights=weights)
-
-
-def tree_node_ids(trees: Sequence[RolloutTree | None], rows: Sequence[int],
-                  num_steps: int) -> torch.Tensor:
-    """(B, N+1) node ids of the batch's rows (requests in order, `rows[i]` output rows each):
-    depth 0 one node per request (its prompt group), depth j + 1 the engine's node that ran step
-    j (`RolloutTree.ancestor`; a request that did not fork: each row its own path)."""
-    out, offset = [], 0
-    for tree, count in zip(trees, rows):
-        for r in range(count):
-            ids = [offset]
-            for j in range(num_steps):
-                node = r if tree is None else tree.ancestor(r, j)
-                ids.append(offset + 1 + node)
-            out.append(ids)
-        size = count if tree is None else len(tree.seeds)
-        offset += 1 + size
-    return torch.tensor(out, dtype=torch.int64)
 
 
 def _old_version(batch: Batch, old_version: str | None) -> str:

@@ -16,7 +16,8 @@ from trainer.algorithms.flow_grpo import (FlowGRPOLoss, KLTarget, OldLogProbs, W
                                           window_step)
 from trainer.algorithms.grpo_guard import PolicyRatio, grpo_guard_loss, guard_ratio
 from trainer.algorithms.tree import (TreeAdvantage, branch_depthwise_advantages, edge_weights,
-                                     node_rewards, tree_advantages, tree_backprop_advantages)
+                                     node_rewards, tree_advantages, tree_backprop_advantages,
+                                     tree_node_ids)
 from trainer.algorithms.nft import (NFTLoss, OldPolicySchedule, TimestepOrder, ema_update,
                                   nft_loss, nft_timestep_indices, old_decay)
 
@@ -33,5 +34,5 @@ __all__ = [
     "window_step", "PolicyRatio", "grpo_guard_loss", "guard_ratio",
     "NFTLoss", "OldPolicySchedule", "TimestepOrder", "ema_update", "nft_loss",
     "nft_timestep_indices", "old_decay", "TreeAdvantage", "branch_depthwise_advantages",
-    "edge_weights", "node_rewards", "tree_advantages", "tree_backprop_advantages",
+    "edge_weights", "node_rewards", "tree_advantages", "tree_backprop_advantages", "tree_node_ids",
 ]

@@ -22,10 +22,11 @@ The edge into depth d trains with the advantage of the node it enters.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Sequence
 
 import torch
 
-from contract import InvalidRequestError, NonFiniteError
+from contract import InvalidRequestError, NonFiniteError, RolloutTree
 
 
 class TreeAdvantage(str, Enum):
@@ -152,3 +153,22 @@ def edge_weights(node_of: torch.Tensor) -> torch.Tensor:
                                           return_counts=True)
         out[:, d - 1] = 1.0 / counts[inverse].float()
     return out
+
+
+def tree_node_ids(trees: Sequence[RolloutTree | None], rows: Sequence[int],
+                  num_steps: int) -> torch.Tensor:
+    """(B, N+1) node ids of the batch's rows (requests in order, `rows[i]` output rows each):
+    depth 0 one node per request (its prompt group), depth j + 1 the engine's node that ran step
+    j (`RolloutTree.ancestor`; a request that did not fork: each row its own path). Each
+    request's depth-0 node is its own root, so trees never share a node."""
+    out, offset = [], 0
+    for tree, count in zip(trees, rows):
+        for r in range(count):
+            ids = [offset]
+            for j in range(num_steps):
+                node = r if tree is None else tree.ancestor(r, j)
+                ids.append(offset + 1 + node)
+            out.append(ids)
+        size = count if tree is None else len(tree.seeds)
+        offset += 1 + size
+    return torch.tensor(out, dtype=torch.int64)
