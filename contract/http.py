@@ -4,7 +4,8 @@
 `max_body_bytes`; UTF-8; one JSON object with strict types (no string->bool/int coercion,
 no NaN/Infinity, nesting bounded by the parser, no duplicated keys); then every size against the
 graph's RequestLimits -- counts of prompts and artifacts, characters of each prompt, samples,
-steps, height/width/frames, guidance -- each a typed error naming the field. A request for 10**9
+steps, height/width/frames, guidance, a branch rollout's factor, depth and fork steps
+(contract.request.check_branch) -- each a typed error naming the field. A request for 10**9
 samples is refused as a number, never expanded. Prompts are tokenized afterwards, once, at the
 ingress, by the adapter's tokenizer.
 """
@@ -20,7 +21,8 @@ from pydantic import field_validator, model_validator
 from contract.enums import SamplerKind, Task
 from contract.errors import (FieldValidationError, InvalidRequestError, LimitExceededError,
                              MalformedBodyError)
-from contract.request import MAX_METADATA_CHARS, MAX_SEED, FrozenModel, RequestLimits
+from contract.request import (MAX_METADATA_CHARS, MAX_SEED, BranchSpec, FrozenModel,
+                              RequestLimits, check_branch, resolve_window)
 from contract.request import check_json_number as _check_json_number
 
 MAX_NAME_CHARS = 128      # an artifact name or a policy version
@@ -100,6 +102,12 @@ class HTTPRolloutRequest(FrozenModel):
         None, description="One object per prompt of the condition images its task takes by "
                           "role ({\"first_frame\": b64, \"last_frame\": b64} for fl2va, "
                           "{\"reference\": [b64, ...]} for ref2va), each checked as `images` are.")
+    branch: BranchSpec | None = Field(
+        None, description="A branch (tree) rollout of every prompt: {\"fork_steps\": [steps], "
+                          "\"factor\": children per fork}; each prompt returns samples_per_prompt "
+                          "* factor ** len(fork_steps) samples, the tree's leaves, with the tree. "
+                          "Bounded by max_branch_factor / max_branch_depth / "
+                          "max_samples_per_prompt; fork steps inside the SDE window.")
 
     @model_validator(mode="before")
     @classmethod
@@ -206,6 +214,15 @@ class HTTPRolloutRequest(FrozenModel):
         if self.media is not None and len(self.media) != len(self.prompts):
             raise InvalidRequestError("one condition-media object per prompt", field="media",
                                       expected=len(self.prompts), actual=len(self.media))
+        return self
+
+    @model_validator(mode="after")
+    def _check_branch(self, info: ValidationInfo) -> "HTTPRolloutRequest":
+        limits = _limits(info)
+        if self.branch is not None and limits is not None:
+            check_branch(self.branch, self.num_steps,
+                         resolve_window(self.sampler, self.num_steps, self.sde_window),
+                         self.samples_per_prompt, limits)
         return self
 
     @model_validator(mode="after")

@@ -108,7 +108,7 @@ class HTTPFront:
                                       requested_artifacts=payload.artifacts,
                                       policy_version=payload.policy_version,
                                       metadata=dict(payload.metadata[i]) if payload.metadata
-                                      else {}))
+                                      else {}, branch=payload.branch))
         return out
 
 
@@ -248,6 +248,9 @@ def _result_json(prompt: str, result: GraphResult) -> dict[str, Any]:
                                 for name, out in result.rewards.by_scorer.items()}
         if result.previews:
             sample["media"] = {name: urls[i] for name, urls in result.previews.items()}
+        if result.tree is not None:      # the sample is leaf `node` of the tree below
+            sample["node"] = result.tree.leaves[i]
         samples.append(sample)
     return {"prompt": prompt, "request_id": result.request_id,
-            "stop_reason": result.stop_reason.value, "samples": samples}
+            "stop_reason": result.stop_reason.value, "samples": samples,
+            **({"tree": result.tree.as_json()} if result.tree is not None else {})}
