@@ -71,9 +71,7 @@ def build_decoders(config: GraphConfig) -> dict[str, Application]:
                                             config.http.max_preview_pixels,
                                             config.decoder.device, config.decoder.dtype,
                                             config.adapter_options,
-                                            config.object_holder,
-                                            config.decoder.max_batch_size,
-                                            config.decoder.batch_wait_timeout_s)
+                                            config.object_holder)
             for latent in decoded_latents(config)}
 
 

@@ -1,5 +1,6 @@
-"""MiniMax-H3 (diffusers 0.42.1 modular pipeline, modular_pipelines/minimax_h3/): T2VA, I2VA / FL2VA
-(keyframes), ref2va with ordered image references (family level: no contract task yet).
+"""MiniMax-H3 (diffusers 0.42.1 modular pipeline, modular_pipelines/minimax_h3/): T2VA, I2VA / L2VA /
+FL2VA (a first, a last or both keyframes), REF2VA with ordered image references (option `ref2va`,
+which loads `transformer_ref` beside `transformer`).
 
 One packed sequence per request, `[text | keyframe rows | audio rows | video rows]`, one
 transformer forward per step for both streams, guidance-distilled (no CFG, no negative prompt:
@@ -92,6 +93,8 @@ class MiniMaxH3Options(BaseModel):
     reference_image_short_edge: int = Field(2048, ge=32, le=4096, description="The short edge "
                                             "ref2va encodes an image reference at (the pipeline's "
                                             "config; references of another size are refused).")
+    ref2va: bool = Field(False, description="Serve the ref2va task: load `transformer_ref` (the "
+                         "pipeline's ref2va transformer, its own weights) beside `transformer`.")
 
 
 def shifted(base: torch.Tensor | float, shift: float):
@@ -244,8 +247,9 @@ class MiniMaxH3Codec(Codec):
     """Latent artifacts: video_latent (B, C, F', h, w) normalised (the pipeline's `latents`
     after the loop), audio_latent (B, 2L, Ca) the channel-major audio rows (Layout.TOKENS)."""
 
-    def __init__(self, dims: MiniMaxH3Dims):
+    def __init__(self, dims: MiniMaxH3Dims, reference_short_edge: int = 2048):
         self.dims = dims
+        self.reference_short_edge = reference_short_edge
 
     def layout(self, sampling: SamplingSpec) -> MiniMaxH3Layout:
         d = self.dims
@@ -359,6 +363,13 @@ class MiniMaxH3Codec(Codec):
             return encode_vae_condition(vae, pixels, PIXEL_MEAN, PIXEL_STD, KEYFRAME_ENCODE_SEED)
 
     def encode_media(self, modules, sampling, media) -> MediaCondition:
+        if MediaRole.REFERENCE in media:
+            if set(media) != {MediaRole.REFERENCE}:
+                raise InvalidRequestError("ref2va takes image references only", field="media",
+                                          expected=["reference"],
+                                          actual=sorted(r.value for r in media))
+            return self.encode_references(modules, sampling, media[MediaRole.REFERENCE],
+                                          self.reference_short_edge)
         layout = self.layout(sampling)
         base = {LAYOUT: layout.encoded()}
         roles = [r for r in (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME) if r in media]
@@ -397,32 +408,15 @@ class MiniMaxH3Codec(Codec):
                           references: Sequence[torch.Tensor], short_edge: int) -> MediaCondition:
         """ref2va with ordered image references (MiniMaxH3Ref2VASetupStep /
         MiniMaxH3Ref2VAReferenceEncoderStep / MiniMaxH3PrepareConditionLatentsStep): each image at
-        its own size, already the one the pipeline normalises it to (short edge `short_edge`, both
-        edges multiples of the canvas multiple, 1:4 to 4:1), encoded and noised as a keyframe is,
-        in request order; the order is the request (labels, rotary clock)."""
+        its own size, already the one the pipeline normalises it to (`check_references`),
+        encoded and noised as a keyframe is, in request order; the order is the request (labels,
+        rotary clock)."""
         layout = self.layout(sampling)
-        if not 1 <= len(references) <= MAX_IMAGE_REFERENCES:
-            raise InvalidRequestError("ref2va takes 1 to 9 ordered image references",
-                                      field="media.reference",
-                                      expected=f"1..{MAX_IMAGE_REFERENCES}", actual=len(references))
+        self.check_references(references, short_edge)
         if "vae" not in modules:
             raise InvalidRequestError("references need the video VAE's encoder",
                                       field="media_modules", expected=["vae"],
                                       actual=sorted(modules))
-        multiple = self.dims.canvas_multiple
-        for i, image in enumerate(references):
-            field = f"media.reference[{i}]"
-            if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
-                raise MediaFormatError("a reference is a uint8 (3, H, W) image", field=field,
-                                       expected="uint8 (3, H, W)",
-                                       actual=f"{image.dtype} {tuple(image.shape)}")
-            h, w = int(image.shape[1]), int(image.shape[2])
-            if min(h, w) != short_edge or h % multiple or w % multiple or \
-                    not 0.25 <= w / h <= 4:
-                raise MediaFormatError("a reference must already be at the size ref2va encodes it "
-                                       "at; nothing is resized", field=field,
-                                       expected=f"short edge {short_edge}, edges multiples of "
-                                       f"{multiple}, 1:4 to 4:1", actual=(h, w))
         from diffusers import MiniMaxH3Scheduler
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
         latents = [self.keyframe_latent(modules["vae"], image).float() for image in references]
@@ -437,6 +431,34 @@ class MiniMaxH3Codec(Codec):
         return MediaCondition(inputs={LAYOUT: layout.encoded(), KEYFRAME_ROWS: torch.stack(rows),
                                       REFERENCE_GEOMETRY: geometry},
                               key=(*layout.encoded()[0].tolist(), *geometry.flatten().tolist()))
+
+    def check_references(self, references: Sequence[torch.Tensor], short_edge: int) -> None:
+        """1 to 9 uint8 (3, H, W) images, each already at the size the pipeline normalises it
+        to (short edge `short_edge`, both edges multiples of the canvas multiple, 1:4 to 4:1);
+        typed errors naming `media.reference` / `media.reference[i]` (no pixels are read)."""
+        if not isinstance(references, (tuple, list)) or \
+                not 1 <= len(references) <= MAX_IMAGE_REFERENCES:
+            raise InvalidRequestError("ref2va takes 1 to 9 ordered image references",
+                                      field="media.reference",
+                                      expected=f"1..{MAX_IMAGE_REFERENCES}",
+                                      actual=len(references) if isinstance(
+                                          references, (tuple, list)) else type(references).__name__)
+        multiple = self.dims.canvas_multiple
+        for i, image in enumerate(references):
+            field = f"media.reference[{i}]"
+            if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or \
+                    image.ndim != 3 or image.shape[0] != 3:
+                raise MediaFormatError("a reference is a uint8 (3, H, W) image", field=field,
+                                       expected="uint8 (3, H, W)",
+                                       actual=f"{getattr(image, 'dtype', type(image).__name__)} "
+                                       f"{tuple(getattr(image, 'shape', ()))}")
+            h, w = int(image.shape[1]), int(image.shape[2])
+            if min(h, w) != short_edge or h % multiple or w % multiple or \
+                    not 0.25 <= w / h <= 4:
+                raise MediaFormatError("a reference must already be at the size ref2va encodes it "
+                                       "at; nothing is resized", field=field,
+                                       expected=f"short edge {short_edge}, edges multiples of "
+                                       f"{multiple}, 1:4 to 4:1", actual=(h, w))
 
 
 def check_keyframe(frame: torch.Tensor, sampling: SamplingSpec, field: str) -> None:
@@ -653,16 +675,18 @@ class Qwen3VLConditioner(TokenizingConditioner):
         hidden, tags = self.presentation(encoder, processor, prompt, images)
         return self.rows([hidden], [tags])
 
-    media_roles = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)
+    media_roles = (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME, MediaRole.REFERENCE)
 
     def encode_with_media(self, encoders, prompts, media) -> Condition:
         """Each prompt with its keyframes (first, then last, as the pipeline packs them) in the
-        FL2VA presentation; a prompt without keyframes as `encode` encodes it."""
+        FL2VA presentation, or its ordered image references (`reference`: a tuple, request order)
+        in the ref2va one; a prompt without either as `encode` encodes it."""
         encoder = encoders[QWEN3_VL]
         names = self.spec.encoder_names
         hidden, tags = [], []
         for prompt, item in zip(prompts, media):
-            frames = [item[r] for r in self.media_roles if r in item]
+            frames = list(item.get(MediaRole.REFERENCE, ())) + [
+                item[r] for r in (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME) if r in item]
             if frames:
                 h, t = self.presentation(encoder, self.processor(), prompt, frames)
             else:
@@ -682,8 +706,14 @@ class MiniMaxH3Family(CheckpointFamily):
         super().__init__(root, options)
         self.dims = MiniMaxH3Dims(self.root)
         self.schedules = MiniMaxH3Schedules(self.root)
-        self.codec = MiniMaxH3Codec(self.dims)
+        self.codec = MiniMaxH3Codec(self.dims, self.options.reference_image_short_edge)
         self.denoiser = MiniMaxH3Denoiser(self.codec, self.schedules)
+        transformers = ("transformer", "transformer_ref") if self.options.ref2va else \
+            ("transformer",)
+        if self.options.ref2va and not (self.root / "transformer_ref").is_dir():
+            raise ConfigError("ref2va runs the checkpoint's transformer_ref partition",
+                              field="adapter_options.ref2va", expected="a transformer_ref/ folder",
+                              actual=str(self.root))
         encoder = EncoderSpec(QWEN3_VL, TEXT_ENCODER, "tokenizer",
                               self.options.max_sequence_length, Overflow.REJECT,
                               QWEN3_VL_ETP_PLAN, encoder_vocab_size(self.root, TEXT_ENCODER))
@@ -700,11 +730,13 @@ class MiniMaxH3Family(CheckpointFamily):
                              sample_rate=self.dims.sample_rate, source="audio_latent")),
                 defaults=("video_latent", "audio_latent", "video", "audio")),
             tasks={Task.T2VA: (), Task.I2VA: (MediaRole.FIRST_FRAME,),
-                   Task.FL2VA: (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME)},
+                   Task.L2VA: (MediaRole.LAST_FRAME,),
+                   Task.FL2VA: (MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME),
+                   **({Task.REF2VA: (MediaRole.REFERENCE,)} if self.options.ref2va else {})},
             time_convention=TimeConvention.DATA_PROGRESS, model_time_scale=1.0,
             guidance=GuidanceRule(GuidanceKind.NONE, source="minimax_h3/denoise.py:54-57"),
-            transformers=("transformer",),
-            lora_targets={"transformer": MINIMAX_H3_LORA_TARGETS}, encoders=(encoder,),
+            transformers=transformers,
+            lora_targets={t: MINIMAX_H3_LORA_TARGETS for t in transformers}, encoders=(encoder,),
             decoders={"video_latent": ("vae",), "audio_latent": ("audio_vae",)},
             media_encoders=("vae",),
             sampling_defaults={"height": 768, "width": 1344, "num_frames": 124})
@@ -727,4 +759,7 @@ class MiniMaxH3Family(CheckpointFamily):
         media = super().validate_request(request, limits)     # keyframes at the canvas size
         with request_errors(request.request_id):
             self.sigmas(request.sampling)
+            if MediaRole.REFERENCE in media:                   # count, order, sizes: no pixels
+                self.codec.check_references(media[MediaRole.REFERENCE],
+                                            self.options.reference_image_short_edge)
         return media

@@ -154,9 +154,7 @@ class EncoderStage(StageOptions, MicroBatch):
         return self
 
 
-class DecoderStage(StageOptions, MicroBatch):
-    """The decoders: concurrent requests' latents of one shape decode in one forward."""
-
+class DecoderStage(StageOptions):
     device: str = Field("cpu", description="torch device of the decoders (VAE, vocoder).")
     dtype: str = Field("float32", description="Weights dtype of the decoders.")
 

@@ -35,7 +35,7 @@ import torch
 from ray import serve
 
 from adapters.registry import get_family
-from contract import (Condition, ConfigError, InvalidRequestError, MediaRole,
+from contract import (ORDERED_MEDIA, Condition, ConfigError, InvalidRequestError, MediaRole,
                       NonFiniteOutputError, PromptBundle, ReplicaFailedError, RolloutError)
 from deployments.encoding import (PromptEmbeddingCache, encode_cached, encode_prompts,
                                   encode_together, encoder_version, load_encoders)
@@ -234,11 +234,15 @@ class TextEncoderServer:
                                       actual=len(media) if isinstance(media, (list, tuple))
                                       else type(media).__name__)
         out = []
+        ordered = {role for _, role in ORDERED_MEDIA.values()}    # a tuple each (ref2va)
+        uint8 = lambda t: isinstance(t, torch.Tensor) and t.dtype == torch.uint8   # noqa: E731
         for i, item in enumerate(media):
             if not isinstance(item, Mapping) or any(r not in roles for r in item) or not all(
-                    isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in item.values()):
+                    (isinstance(t, tuple) and len(t) > 0 and all(map(uint8, t))) if r in ordered
+                    else uint8(t) for r, t in item.items()):
                 raise InvalidRequestError("condition media the text encoders read: uint8 tensors "
-                                          "by role", field=f"media[{i}]",
+                                          "by role (a tuple of them for an ordered role)",
+                                          field=f"media[{i}]",
                                           expected=[r.value for r in roles],
                                           actual=sorted(str(getattr(r, "value", r))
                                                         for r in item) if isinstance(item, Mapping)

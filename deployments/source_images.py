@@ -1,9 +1,10 @@
-"""An edit request's source image from the HTTP body: one base64 string per prompt (`images`),
-decoded with its bounds checked before the pixels are: the string's length, the encoded bytes,
+"""Condition images from the HTTP body: an edit's source image (`images`, one per prompt) and a
+video task's keyframes / ordered references (`media[i].first_frame`, `.last_frame`,
+`.reference[j]`), each a base64 string decoded with its bounds checked before the pixels are: the string's length, the encoded bytes,
 the format (PNG, JPEG or WebP by its magic bytes, as Pillow identifies it), 8-bit RGB mode, and
 the width x height from the header against the graph's RequestLimits (max_width, max_height).
 Nothing is converted, resized or cropped: a mode or size the family cannot take is a typed 4xx
-naming `images[i]` and the value. The family then checks what it can take (e.g. FLUX's sides
+naming the field (`images[i]`, `media[i].reference[j]`) and the value. The family then checks what it can take (e.g. FLUX's sides
 in multiples of 16) before any stage runs.
 """
 from __future__ import annotations

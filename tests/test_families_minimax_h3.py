@@ -2,8 +2,11 @@
 (MiniMaxH3Blocks): the same initial video / audio noise and step count give the same latents of
 both streams (fp32, <= 1e-4), decoded frames within one level and audio within 1e-4, for t2va
 and for fl2va with a first, a last and both keyframes (the keyframes' presentation through the
-Qwen3-VL conditioner equal to the pipeline's prompt_embeds); the two schedules; the Qwen3-VL
-ETP plan sharded over 2 gloo ranks equal to the unsharded encoder; typed bad input."""
+Qwen3-VL conditioner equal to the pipeline's prompt_embeds), and for ref2va; the contract tasks
+l2va and ref2va as requests through the encoder stage's conditioner and the embedded engine
+(same figures), over HTTP (`media` by role) and through the TextEncoder stage; the two
+schedules; the Qwen3-VL ETP plan sharded over 2 gloo ranks equal to the unsharded encoder;
+typed bad input."""
 from __future__ import annotations
 
 import socket
@@ -202,8 +205,15 @@ def test_keyframes_of_another_size_are_refused_not_resized(setup, frame, field):
 
 def test_keyframe_roles_and_counts(setup):
     family, models = setup[0], setup[1]
-    with pytest.raises(InvalidRequestError) as err:     # a reference is not a keyframe
+    with pytest.raises(InvalidRequestError) as err:     # an edit's image is not a keyframe
+        family.codec.encode_media(models.media, sampling(), {MediaRole.IMAGE: FIRST})
+    assert err.value.field == "media"
+    with pytest.raises(InvalidRequestError) as err:     # references are an ordered tuple
         family.codec.encode_media(models.media, sampling(), {MediaRole.REFERENCE: FIRST})
+    assert err.value.field == "media.reference"
+    with pytest.raises(InvalidRequestError) as err:     # and ride alone
+        family.codec.encode_media(models.media, sampling(), {MediaRole.REFERENCE: (FIRST,),
+                                                             MediaRole.LAST_FRAME: LAST})
     assert err.value.field == "media"
     mc = family.codec.encode_media(models.media, sampling(seeds=(1, 2)), dict(KEYFRAMES))
     rows = mc.inputs[KEYFRAME_ROWS]
@@ -523,3 +533,220 @@ def test_tiny_fl2va_recipe_trains_through_the_cli(ray_cluster, minimax_root, tmp
     steps = [r for r in rows if "train_s" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["rows"] == 4 for r in steps)
+
+
+# ---- the contract tasks: l2va (last keyframe only) and ref2va (ordered references) ------------
+
+@pytest.fixture(scope="module")
+def ref_family(minimax_root):
+    """The family serving ref2va (option `ref2va`: transformer_ref beside transformer), with the
+    pipeline configured to encode references at a short edge of 32 as the parity test does."""
+    return MiniMaxH3Family(minimax_root, {"ref2va": True, "reference_image_short_edge": 32})
+
+
+def contract_request(family, task: Task, media, seeds=(SEED,)) -> RolloutRequest:
+    bundle = family.conditioner.tokenize([PROMPT])[0]
+    return RolloutRequest(request_id="c1", task=task, prompt=bundle,
+                          sampling=sampling(seeds=seeds),
+                          media=tuple(MediaInput(Modality.IMAGE, role, data)
+                                      for role, data in media))
+
+
+def test_l2va_and_ref2va_are_contract_tasks_with_typed_media_errors(setup, ref_family,
+                                                                    minimax_root, tmp_path):
+    """Each task takes exactly its roles; references keep the request's order; a count, size,
+    modality or mix the task does not take, or a keyframe missing, is a typed error naming the
+    field and value, raised by validate_request (no weights involved)."""
+    from contract import ConfigError, Task as T
+    family = setup[0]
+    limits = RequestLimits()
+    assert T.L2VA in family.spec.tasks and T.REF2VA not in family.spec.tasks
+    assert family.spec.transformers == ("transformer",)
+    got = family.validate_request(contract_request(family, T.L2VA,
+                                                   [(MediaRole.LAST_FRAME, LAST)]), limits)
+    assert list(got) == [MediaRole.LAST_FRAME] and torch.equal(got[MediaRole.LAST_FRAME], LAST)
+    for task, media, field in (
+            (T.L2VA, [(MediaRole.FIRST_FRAME, FIRST)], "media"),         # the wrong keyframe
+            (T.FL2VA, [(MediaRole.LAST_FRAME, LAST)], "media"),          # the first one missing
+            (T.REF2VA, [(MediaRole.REFERENCE, REFERENCES[0])], "task")):  # not served by default
+        with pytest.raises(InvalidRequestError) as err:
+            family.validate_request(contract_request(family, task, media), limits)
+        assert err.value.field == field, (task, err.value)
+    assert ref_family.spec.transformers == ("transformer", "transformer_ref")
+    assert set(ref_family.spec.lora_targets) == {"transformer", "transformer_ref"}
+    refs = [(MediaRole.REFERENCE, r) for r in REFERENCES]
+    for order in (refs, refs[::-1]):
+        got = ref_family.validate_request(contract_request(ref_family, T.REF2VA, order), limits)
+        assert list(got) == [MediaRole.REFERENCE] and len(got[MediaRole.REFERENCE]) == 2
+        assert all(torch.equal(a, b) for a, (_, b) in zip(got[MediaRole.REFERENCE], order))
+    bad = torch.zeros(3, 32, 40, dtype=torch.uint8)
+    for media, error, field, actual in (
+            (refs * 5, InvalidRequestError, "media.reference", 10),             # > 9
+            ([refs[0], (MediaRole.REFERENCE, bad)], MediaFormatError, "media.reference[1]",
+             (32, 40)),                                                            # off-size
+            ([refs[0], (MediaRole.FIRST_FRAME, FIRST)], InvalidRequestError, "media",
+             ["first_frame", "reference"]),                                        # a mix
+            ([], InvalidRequestError, "media", [])):                               # none
+        with pytest.raises(error) as err:
+            ref_family.validate_request(contract_request(ref_family, T.REF2VA, media), limits)
+        assert err.value.field == field and err.value.actual == actual, err.value
+    video_ref = RolloutRequest(request_id="c2", task=T.REF2VA, sampling=sampling(),
+                               prompt=family.conditioner.tokenize([PROMPT])[0],
+                               media=(MediaInput(Modality.VIDEO, MediaRole.REFERENCE,
+                                                 torch.zeros(2, 3, 32, 32, dtype=torch.uint8)),))
+    with pytest.raises(MediaFormatError) as err:
+        ref_family.validate_request(video_ref, limits)
+    assert err.value.field == "media[0].modality" and err.value.actual == "video"
+    partial = tmp_path / "no_ref"                       # a checkpoint without transformer_ref
+    partial.mkdir()
+    for item in minimax_root.iterdir():
+        if item.name != "transformer_ref":
+            (partial / item.name).symlink_to(item)
+    with pytest.raises(ConfigError) as err:
+        MiniMaxH3Family(partial, {"ref2va": True})
+    assert err.value.field == "adapter_options.ref2va"
+
+
+def engine_rollout(family, models, request):
+    """A contract request as the graph runs it, in process: validate_request, the encoder
+    stage's encode_with_media (the condition media the conditioner reads), the embedded engine."""
+    import asyncio
+
+    from rollout.engine import EmbeddedEngine
+    from rollout.engine_api import EngineRequest
+    from rollout.lora import BASE_VERSION
+    media = family.validate_request(request, RequestLimits())
+    picked = {r: v for r, v in media.items() if r in family.conditioner.media_roles}
+    cond = family.conditioner.encode_with_media(models.encoders, [request.prompt], [picked])
+    engine = EmbeddedEngine(family, models.transformers, models.media)
+    try:
+        out = asyncio.run(engine.generate(EngineRequest(
+            request, cond, None, ("video_latent", "audio_latent"), media, BASE_VERSION)))
+    finally:
+        asyncio.run(engine.shutdown())
+    return cond, {k: v.data for k, v in out.latents.items()}
+
+
+@pytest.mark.parametrize("task", ["l2va", "ref2va"])
+def test_contract_task_rollouts_equal_the_modular_pipeline(setup, ref_family, task):
+    """l2va (the last keyframe alone) and ref2va (two ordered references of different shapes)
+    as contract requests through the encoder stage's conditioner and the embedded engine: the
+    same initial latents and sigmas give the pipeline's video and audio latents (fp32 <= 1e-4)."""
+    from PIL import Image
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3ImageReference
+
+    from adapters.sample import LocalModels
+    _, models, _, pipe = setup
+    pil = lambda t: Image.fromarray(t.permute(1, 2, 0).contiguous().numpy())   # noqa: E731
+    if task == "l2va":
+        family, kwargs = setup[0], {"last_image": pil(LAST)}
+        request = contract_request(family, Task.L2VA, [(MediaRole.LAST_FRAME, LAST)])
+    else:
+        family = ref_family
+        models = LocalModels(dict(models.transformers, transformer_ref=family.load(
+            "transformer_ref")), models.encoders, models.media, models.decoders)
+        pipe.update_components(transformer_ref=models.transformers["transformer_ref"])
+        pipe.register_to_config(reference_image_short_edge=32)
+        kwargs = {"references": [MiniMaxH3ImageReference(image=pil(r)) for r in REFERENCES]}
+        request = contract_request(family, Task.REF2VA,
+                                   [(MediaRole.REFERENCE, r) for r in REFERENCES])
+    cond, ours = engine_rollout(family, models, request)
+    layout = family.codec.layout(sampling())
+    video, audio = layout.tokens(initial_noise([SEED], family.codec.state_shape(sampling())))
+    out = pipe(prompt=PROMPT, num_inference_steps=STEPS + 1, latents=layout.unpack_video(video),
+               audio_latents=audio[0].reshape(2, layout.audio, -1).permute(0, 2, 1),
+               generator=torch.Generator().manual_seed(SEED), output_type="pt",
+               output=["latents", "audio_latents", "prompt_embeds"], **SIZE, **kwargs)
+    assert torch.equal(cond["prompt_embeds"][:, :int(cond["text_length"][0])],
+                       out["prompt_embeds"].float())
+    video_diff = (ours["video_latent"] - out["latents"]).abs().max().item()
+    audio_diff = (ours["audio_latent"] - pipeline_audio_rows(out["audio_latents"])).abs().max()
+    print(f"{task}: video {video_diff:.3g} audio {float(audio_diff):.3g}")
+    assert video_diff <= 1e-4 and float(audio_diff) <= 1e-4, (video_diff, float(audio_diff))
+    assert (ours["video_latent"] - layout.unpack_video(video)).abs().max() > 0.1   # it moved
+
+
+def test_the_encoder_stage_shows_ordered_references(setup, ref_family, minimax_root):
+    """The TextEncoder stage given ref2va's references (a tuple, request order) returns the
+    pipeline's ref2va presentation (the conditioner's, which the parity test compares); a bare
+    tensor or an empty tuple for the ordered role is a typed error naming media[i]."""
+    import asyncio
+
+    from deployments.encoder import TextEncoderServer
+    family, models, processor = setup[0], setup[1], setup[2]
+    server = TextEncoderServer("minimax_h3", str(minimax_root), etp=1,
+                               options={"ref2va": True, "reference_image_short_edge": 32})
+    bundles = family.conditioner.tokenize([PROMPT])
+    got = asyncio.run(server.encode(bundles, [{MediaRole.REFERENCE: tuple(REFERENCES)}]))
+    want = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
+                                                  bundles[0], REFERENCES)
+    assert torch.equal(got["prompt_embeds"], want["prompt_embeds"])
+    assert torch.equal(got["text_tags"], want["text_tags"])
+    swapped = asyncio.run(server.encode(bundles, [{MediaRole.REFERENCE: tuple(REFERENCES[::-1])}]))
+    assert not torch.equal(swapped["prompt_embeds"], got["prompt_embeds"])
+    for value in (REFERENCES[0], ()):
+        with pytest.raises(InvalidRequestError) as err:
+            asyncio.run(server.encode(bundles, [{MediaRole.REFERENCE: value}]))
+        assert err.value.field == "media[0]"
+
+
+def _b64_png(image: torch.Tensor) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_keyframes_and_references_over_http_reach_the_request_in_order(ref_family):
+    """POST /rollout's `media` (one object per prompt, by role) becomes the request's media:
+    l2va's last keyframe, fl2va's two, ref2va's references in the body's order, decoded
+    losslessly; a role the task does not take, a keyframe missing, `images` instead, or an
+    undecodable reference is a typed error naming the field, before any stage."""
+    from types import SimpleNamespace
+
+    from contract import LimitExceededError, MediaFormatError as MFE
+    from contract.http import parse_rollout_body
+    from deployments.http import HTTPFront
+    import json
+    limits = RequestLimits(max_height=64, max_width=64, max_frames=124)
+    front = SimpleNamespace(family=ref_family, config=SimpleNamespace(limits=limits))
+    front._http_role_media = HTTPFront._http_role_media.__get__(front)
+    front._http_media = HTTPFront._http_media.__get__(front)
+
+    def requests(body):
+        payload = parse_rollout_body(json.dumps({"prompts": [PROMPT], "num_steps": 3, **SIZE,
+                                                 **body}).encode(), limits)
+        return HTTPFront._from_http(front, payload)
+
+    first, last = _b64_png(FIRST), _b64_png(LAST)
+    refs = [_b64_png(r) for r in REFERENCES]
+    [req] = requests({"task": "l2va", "media": [{"last_frame": last}]})
+    assert [(m.role, torch.equal(m.data, LAST)) for m in req.media] == \
+        [(MediaRole.LAST_FRAME, True)]
+    [req] = requests({"task": "fl2va", "media": [{"first_frame": first, "last_frame": last}]})
+    assert {m.role for m in req.media} == {MediaRole.FIRST_FRAME, MediaRole.LAST_FRAME}
+    [req] = requests({"task": "ref2va", "media": [{"reference": refs[::-1]}]})
+    assert [m.role for m in req.media] == [MediaRole.REFERENCE] * 2
+    assert all(torch.equal(m.data, r) for m, r in zip(req.media, REFERENCES[::-1]))
+    media = ref_family.validate_request(req, limits)[MediaRole.REFERENCE]
+    assert torch.equal(media[0], REFERENCES[1]) and torch.equal(media[1], REFERENCES[0])
+    for body, error, field in (
+            ({"task": "fl2va", "media": [{"first_frame": first}]}, InvalidRequestError,
+             "media[0]"),                                           # the last keyframe missing
+            ({"task": "l2va", "media": [{"first_frame": first}]}, InvalidRequestError,
+             "media[0]"),
+            ({"task": "ref2va"}, InvalidRequestError, "media"),
+            ({"task": "ref2va", "images": [refs[0]], "media": [{"reference": refs}]},
+             InvalidRequestError, "images"),
+            ({"task": "t2va", "media": [{"reference": refs}]}, InvalidRequestError, "media"),
+            ({"task": "ref2va", "media": [{"reference": [refs[0], "not base64!"]}]}, MFE,
+             "media[0].reference[1]"),
+            ({"task": "ref2va", "media": [{"reference": [_b64_png(torch.zeros(
+                3, 32, 96, dtype=torch.uint8))]}]}, LimitExceededError,
+             "media[0].reference[0]")):                            # wider than max_width
+        with pytest.raises(error) as err:
+            requests(body)
+        assert err.value.field == field, (body, err.value)

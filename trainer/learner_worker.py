@@ -33,7 +33,8 @@ from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from trainer.rollout_batch import ConditionRows, condition_signature, fetch_conditions
 from trainer.updates import UpdatePlan, run_update
 
-CONDITIONED_TASKS = (Task.FL2VA, Task.I2V, Task.I2VA, Task.EDIT)   # requests carry condition media
+CONDITIONED_TASKS = (Task.FL2VA, Task.L2VA, Task.I2V, Task.I2VA, Task.EDIT,
+                     Task.REF2VA)                   # requests carry condition media
 
 
 def probe_signature(family: ModelFamily, probe: ConditionHandle) -> ConditionSignature:
