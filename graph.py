@@ -71,7 +71,9 @@ def build_decoders(config: GraphConfig) -> dict[str, Application]:
                                             config.http.max_preview_pixels,
                                             config.decoder.device, config.decoder.dtype,
                                             config.adapter_options,
-                                            config.object_holder)
+                                            config.object_holder,
+                                            config.decoder.max_batch_size,
+                                            config.decoder.batch_wait_timeout_s)
             for latent in decoded_latents(config)}
 
 

@@ -154,7 +154,9 @@ class EncoderStage(StageOptions, MicroBatch):
         return self
 
 
-class DecoderStage(StageOptions):
+class DecoderStage(StageOptions, MicroBatch):
+    """The decoders: concurrent requests' latents of one shape decode in one forward."""
+
     device: str = Field("cpu", description="torch device of the decoders (VAE, vocoder).")
     dtype: str = Field("float32", description="Weights dtype of the decoders.")
 

@@ -2,21 +2,30 @@
 
 Receives the rollout stage's handles, fetches only its own latent from the object store, decodes
 only the decoded artifacts that were requested, and returns new handles (plus previews on request).
+
+Micro-batching (`decoder.max_batch_size`, `decoder.batch_wait_timeout_s`): concurrent requests'
+latents of one per-row shape, media size and artifact set decode in one forward (`@serve.batch`),
+each request getting its own rows back (copies: a request's artifact never pins its batch
+mates'); a joint decode that raises -- NaN / Inf from one request's rows included -- is redone
+request by request, so a failing request fails alone (deployments/microbatch.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
+from ray import serve
 
 from adapters.registry import get_family
 from contract import (MediaArtifact, MissingArtifactError, Modality, Representation,
-                      StageOutput, UndeclaredArtifactError, validate_artifact)
+                      SamplingSpec, StageOutput, UndeclaredArtifactError, validate_artifact)
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
+from deployments.microbatch import in_serve_replica, run_isolated
 from deployments.objects import HolderShards, HolderSpec, ObjectKeeper
 from deployments.previews import av_preview_urls, preview_urls
 from rollout.recorder import check_finite
@@ -58,12 +67,31 @@ def finite_module_outputs(modules: Mapping[str, torch.nn.Module], request_id: st
             handle.remove()
 
 
+@dataclass
+class _DecodeCall:
+    """One request's latent on its way through the micro-batch (emptied once decoded: Serve's
+    batch loop keeps its last batch's arguments alive until the next batch arrives)."""
+
+    latent: MediaArtifact | None
+    wanted: tuple
+    request_id: str
+    sampling: SamplingSpec
+
+    def key(self) -> tuple:
+        """What requests decoded together share: the latent's per-row shape and dtype, the media
+        size a codec's decode reads from the sampling, and the artifacts made."""
+        s = self.sampling
+        return (tuple(self.latent.data.shape[1:]), self.latent.data.dtype,
+                tuple(a.name for a in self.wanted), s.height, s.width, s.num_frames)
+
+
 class DecoderServer:
     """Decodes the latent artifact `latent_name` into its requested decoded artifacts."""
 
     def __init__(self, adapter: str, weights_path: str | None, latent_name: str,
                  max_preview_pixels: int, device: str = "cpu", dtype: str = "float32",
-                 options: dict | None = None, objects: HolderSpec | None = None):
+                 options: dict | None = None, objects: HolderSpec | None = None,
+                 max_batch_size: int = 8, batch_wait_timeout_s: float = 0.0):
         """objects: the graph's ObjectHolder actor and its bounds (None: this replica holds
         its puts)."""
         self.memory_guard = guard_replica_memory(f"Decoder_{latent_name}")
@@ -81,6 +109,10 @@ class DecoderServer:
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
         self.objects = ObjectKeeper(holder=None if objects is None else HolderShards(objects))
+        self._in_replica = in_serve_replica()   # serve.batch needs one; in-process: no batching
+        if self._in_replica:
+            self._decode_batch.set_max_batch_size(max_batch_size)
+            self._decode_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     async def decode(self, latents: StageOutput, names: Sequence[str],
                      preview: bool = False, companion: StageOutput | None = None) -> StageOutput:
@@ -98,12 +130,21 @@ class DecoderServer:
                                        field=f"artifacts.{self.latent_name}",
                                        actual=sorted(latents.artifacts),
                                        request_id=latents.request_id)
-        latent: MediaArtifact = await handle.ref
-        with self.metrics.track(latent.batch_size):
-            t0 = time.perf_counter()
-            produced = await asyncio.to_thread(self._decode, latent, wanted, latents.request_id,
-                                               latents.sampling)
-            decode_s = time.perf_counter() - t0
+        if latents.sampling is None:
+            raise MissingArtifactError("the rollout stage's output carries no sampling spec",
+                                       field="sampling", request_id=latents.request_id)
+        call = _DecodeCall(await handle.ref, tuple(wanted), latents.request_id,
+                           latents.sampling)
+        try:
+            if self._in_replica:
+                result = await self._decode_batch(call)
+            else:
+                [result] = await self._decode_calls([call])
+        finally:
+            call.latent = None
+        if isinstance(result, BaseException):
+            raise result
+        produced, decode_s = result
         handles = {a.name: self.objects.put_artifact(a, latents.request_id) for a in produced}
         await self.objects.settled(latents.request_id)
         previews = {}
@@ -115,6 +156,42 @@ class DecoderServer:
                            stop_reason=latents.stop_reason, previews=previews,
                            sampling=latents.sampling,
                            metrics={f"decode_{self.latent_name}_s": decode_s})
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)   # set from the config
+    async def _decode_batch(self, calls: list[_DecodeCall]
+                            ) -> list[tuple[list[MediaArtifact], float] | Exception]:
+        return await self._decode_calls(calls)
+
+    async def _decode_calls(self, calls: Sequence[_DecodeCall]
+                            ) -> list[tuple[list[MediaArtifact], float] | Exception]:
+        """Concurrent requests' latents of one key in one decode (in a thread); per request,
+        its artifacts and the seconds of the decode that made them. A decode that raises is
+        redone request by request, each failing request getting its own error."""
+        async def run(group: list[_DecodeCall]) -> list[tuple[list[MediaArtifact], float]]:
+            first = group[0]
+            rows = [c.latent.batch_size for c in group]
+            if len(group) == 1:
+                latent, sampling = first.latent, first.sampling
+            else:
+                latent = MediaArtifact(first.latent.spec,
+                                       torch.cat([c.latent.data for c in group]),
+                                       first.latent.metadata)
+                sampling = first.sampling.model_copy(
+                    update={"seeds": tuple(s for c in group for s in c.sampling.seeds)})
+            with self.metrics.track(sum(rows)):
+                t0 = time.perf_counter()
+                produced = await asyncio.to_thread(self._decode, latent, list(first.wanted),
+                                                   first.request_id, sampling)
+                seconds = time.perf_counter() - t0
+            if len(group) == 1:
+                return [(produced, seconds)]
+            out, start = [], 0
+            for n in rows:
+                out.append(([MediaArtifact(a.spec, a.data[start:start + n].clone(), a.metadata)
+                             for a in produced], seconds))
+                start += n
+            return out
+        return await run_isolated(list(calls), _DecodeCall.key, run)
 
     def _previews(self, produced: Sequence[MediaArtifact],
                   audio: MediaArtifact | None) -> dict[str, tuple[str, ...]]:

@@ -120,3 +120,77 @@ def test_encoder_batch_fails_only_the_failing_call(tiny_t2i_weights):
         ref = encode_prompts(family, server.encoders, [prompt])
         for name, t in ref.tensors.items():
             torch.testing.assert_close(out[i][name], t, rtol=1e-5, atol=1e-5)
+
+
+# ---- decoders ----------------------------------------------------------------------------
+def _decode_call(decoder, latent: torch.Tensor, request_id: str, seeds, **size):
+    from deployments.decoder import _DecodeCall
+    spec = decoder.family.io_spec[decoder.latent_name]
+    return _DecodeCall(MediaArtifact(spec, latent), decoder.outputs, request_id,
+                       SamplingSpec(num_steps=2, seeds=tuple(seeds), **size))
+
+
+@pytest.mark.parametrize("family,latent_name,size", [
+    ("tiny_t2i", "image_latent", {}),
+    ("tiny_t2va", "video_latent", {"num_frames": 8}),
+    ("tiny_t2va", "audio_latent", {"num_frames": 8})])
+def test_decoder_batch_equals_one_at_a_time(family, latent_name, size):
+    """Three requests (1, 3 and 2 rows) decoded in one forward: each gets its own rows, equal
+    to decoding it alone (uint8 pixels: at most 1 level; audio within fp32 tolerance), with
+    storage of its own."""
+    from deployments.decoder import DecoderServer
+    decoder = DecoderServer(family, None, latent_name, 4096)
+    sampling = SamplingSpec(num_steps=2, seeds=(0,), **size)
+    shape = decoder.family.codec.split_state(torch.zeros(
+        1, *decoder.family.codec.state_shape(sampling)), sampling)[latent_name].shape[1:]
+    gen = torch.Generator().manual_seed(0)
+    latents = [torch.randn(n, *shape, generator=gen) for n in (1, 3, 2)]
+    calls = [_decode_call(decoder, x, f"req-{i}", range(10 * i, 10 * i + len(x)), **size)
+             for i, x in enumerate(latents)]
+    rows: list[int] = []
+    for module in decoder.modules.values():
+        for child in module.children():
+            child.register_forward_pre_hook(lambda m, args: rows.extend(
+                int(a.shape[0]) for a in args[:1] if isinstance(a, torch.Tensor)))
+    batched = asyncio.run(decoder._decode_calls(calls))
+    joint = list(rows)
+    rows.clear()
+    decoder._decode(calls[0].latent, list(decoder.outputs), "req-0", calls[0].sampling)
+    # as many component forwards as one request alone (of 1 row), each with 6x the rows
+    assert joint and len(joint) == len(rows) and joint == [6 * r for r in rows]
+    for call, x, (produced, seconds) in zip(calls, latents, batched):
+        alone = decoder._decode(MediaArtifact(call.latent.spec, x), list(decoder.outputs),
+                                call.request_id, call.sampling)
+        assert seconds > 0 and [a.name for a in produced] == [a.name for a in alone]
+        for got, ref in zip(produced, alone):
+            assert got.data.shape == ref.data.shape and got.data.dtype == ref.data.dtype
+            assert got.data.untyped_storage().nbytes() == got.data.nbytes   # not a view
+            if ref.data.dtype == torch.uint8:
+                assert (got.data.int() - ref.data.int()).abs().max() <= 1
+            else:
+                torch.testing.assert_close(got.data, ref.data, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_batch_fails_only_the_request_with_non_finite_media():
+    """A finite latent the VAE overflows on (the middle request's) makes the joint decode raise:
+    it is redone request by request, the middle request gets its typed NonFiniteOutputError
+    naming its own id, the others their images as decoded alone. Different sizes never share
+    a forward."""
+    from deployments.decoder import DecoderServer
+    decoder = DecoderServer("tiny_t2i", None, "image_latent", 4096)
+    gen = torch.Generator().manual_seed(1)
+    latents = [torch.randn(2, 4, 8, 8, generator=gen) for _ in range(3)]
+    latents[1][0] = 3e38
+    calls = [_decode_call(decoder, x, f"req-{i}", (2 * i, 2 * i + 1))
+             for i, x in enumerate(latents)]
+    out = asyncio.run(decoder._decode_calls(calls))
+    assert isinstance(out[1], NonFiniteOutputError) and out[1].request_id == "req-1"
+    assert out[1].field.startswith("decoded.vae") and out[1].actual == "rows [0]"
+    for i in (0, 2):
+        (image,), _ = out[i]
+        (ref,) = decoder._decode(MediaArtifact(calls[i].latent.spec, latents[i]),
+                                 list(decoder.outputs), f"req-{i}", calls[i].sampling)
+        assert torch.equal(image.data, ref.data)
+    big = _decode_call(decoder, torch.randn(1, 4, 16, 16, generator=gen), "req-big", (9,),
+                       height=64, width=64)
+    assert len({c.key() for c in (calls[0], big)}) == 2
