@@ -39,7 +39,7 @@ def ray_cluster():
     yield {"metrics_port": metrics_port, "http_port": http_port}
     serve.shutdown()
     ray.shutdown()
-    # a runtime_env `pip` stage clones the whole venv (~7 GB with torch) into the session's
+    # a runtime_env `pip` stage clones the whole venv (torch included) into the session's
     # runtime_resources; Ray leaves it behind, so repeated runs would fill the disk. Logs stay.
     shutil.rmtree(os.path.join(context.address_info["session_dir"], "runtime_resources"),
                   ignore_errors=True)

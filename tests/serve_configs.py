@@ -31,7 +31,7 @@ LOCAL_CPUS = 2
 # less a margin for a machine busy at start; fixed so the outcome does not depend on the load.
 LOCAL_MEMORY_BYTES = 12 * 2**30
 OBJECT_STORE_BYTES = 512 * 2**20
-READY_TIMEOUT_S = 900.0       # deploy -> RUNNING on a 2-core machine (5-10 min seen under load)
+READY_TIMEOUT_S = 900.0       # deploy -> RUNNING on a loaded 2-core machine takes minutes
 ROLLOUT_TIMEOUT_S = 600.0
 NEEDS = "# Needs:"            # the header line of a config that does not fit LOCAL_CPUS
 

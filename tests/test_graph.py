@@ -386,7 +386,7 @@ def test_replica_over_its_memory_bound_is_the_only_one_replaced(graph, ray_clust
     controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
     system = ray.get([pid_of(controller), pid_of(store)])
     graph_pids = replica_pids(APP)
-    options = StageOptions(memory_mib=512).deployment_options("MemoryHog")  # ~350 MiB at start
+    options = StageOptions(memory_mib=512).deployment_options("MemoryHog")  # its start: under it
     hog = serve.run(serve.deployment(MemoryHog, **options).bind(), name="oom_hog",
                     route_prefix=None)
     try:
