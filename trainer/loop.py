@@ -27,10 +27,10 @@ from deployments.client import RolloutClient
 from deployments.failures import RetryBudget
 from trainer import checks
 from trainer.algorithms import old_decay
-from trainer.checkpointing import TrainerCheckpoints
+from trainer.checkpointing import Checkpoints
 from trainer.config import PipelineMode, TrainerConfig, check_group_sizes, check_holder_ttl
 from trainer.distributed import LearnerEMA, build_learners
-from trainer.evaluation import TrainerEvaluation
+from trainer.evaluation import Evaluation
 from trainer.learner import Learner
 from trainer.logs import MetricsLogger, WandbRun, plot_reward_curve
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
@@ -63,9 +63,11 @@ def stale_rows(versions: Sequence[str], published: Sequence[str], max_staleness:
     return [v not in index or latest - index[v] > max_staleness for v in versions]
 
 
-class Trainer(TrainerEvaluation, TrainerCheckpoints):
-    """The training loop (this module's docstring); evaluation is trainer/evaluation.py,
-    checkpoints and resume trainer/checkpointing.py."""
+class Trainer:
+    """The training loop (this module's docstring), composed of the objects it owns: the prompt
+    feed, the learners, the publisher, the logger, the evaluation (trainer/evaluation.py) and
+    the checkpoints (trainer/checkpointing.py), each constructed with what it reads; the loop's
+    counters (step, sampling versions, dropped rows, retries) are the Trainer's own."""
 
     def __init__(self, cfg: TrainerConfig, client: RolloutClient | None = None,
                  progress: bool = False):
@@ -102,7 +104,6 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
                             cfg.model_dump(mode="json"), resume=cfg.resume)
                    if cfg.wandb.enabled else None)
         self.logger = MetricsLogger(self.run_dir, fresh=not cfg.resume, wandb=tracker)
-        self.evaluations = 0
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step = 0
         self.sampling_versions: list[str] = []
@@ -111,19 +112,27 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
         self.progress = progress
         # the evaluation EMA lives on the learner (rank 0), beside the tensors it averages
         self.ema = LearnerEMA(self.learners, cfg.ema) if cfg.ema.enabled else None
-        self._resume_pending: dict | None = None     # the in-flight batch's version, resumed
         self.history: list[dict[str, float]] = []
+        self.evaluation = Evaluation(cfg.eval, cfg.sampler, cfg.task, self.family, self.feed,
+                                     self.rollout, self.run_dir, gallery=cfg.gallery,
+                                     wandb=self.logger.wandb, media_every=cfg.wandb.media_every)
+        self.checkpoints = Checkpoints(self.run_dir, cfg, self.learners, self.publisher,
+                                       self.feed, self.ema, self.gen)
 
     # ---- versions ------------------------------------------------------------------------------
     @property
     def samples_with_old(self) -> bool:
         return self.cfg.algorithm is Algorithm.NFT
 
+    @property
+    def sampling_adapter(self) -> str:
+        """The adapter the graph samples with (NFT: old; FlowGRPO, DPO: the trained one)."""
+        return OLD_ADAPTER if self.samples_with_old else TRAIN_ADAPTER
+
     def publish_sampling(self) -> tuple[str, float]:
         name = f"old-{self.step}" if self.samples_with_old else f"v{self.step}"
         version, seconds = self.publisher.publish(
-            name, self.step, *self.learners.export_packed(OLD_ADAPTER if self.samples_with_old
-                                                          else TRAIN_ADAPTER))
+            name, self.step, *self.learners.export_packed(self.sampling_adapter))
         self.sampling_versions.append(version)
         return version, seconds
 
@@ -136,6 +145,35 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
             self.publisher.publish(f"v{self.step}", self.step,
                                    *self.learners.export_packed(TRAIN_ADAPTER))
         return version
+
+    def eval_version(self) -> str:
+        """The evaluated policy: the EMA of the trained adapter when enabled, else the current."""
+        if self.ema is None:
+            return self.current_version()
+        _, scale = self.learners.export_packed(TRAIN_ADAPTER)
+        if not self.ema.started:             # initialised from the weights before step 1
+            self.ema.update(self.step)
+        return self.publisher.publish(f"ema-{self.step}", self.step, self.ema.packed_ref(),
+                                      scale)[0]
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation (trainer/evaluation.py) of the evaluated policy now."""
+        return self.evaluation.evaluate(self.step, self.eval_version())
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, pending: Pending | None = None) -> Path:
+        """A checkpoint (trainer/checkpointing.py) of the run now, `pending` in flight."""
+        return self.checkpoints.save(self.step, self.sampling_versions, self.dropped_stale_rows,
+                                     self.rollout_retries, pending)
+
+    def resume(self) -> dict | None:
+        """Restore the latest checkpoint (a changed config is refused, naming the fields) and
+        the loop's counters; returns the in-flight batch's sampling tensors, if any."""
+        resumed = self.checkpoints.load()
+        self.step = resumed.step
+        self.dropped_stale_rows = resumed.dropped_stale_rows
+        self.rollout_retries = resumed.rollout_retries
+        return resumed.inflight
 
     # ---- rollouts ------------------------------------------------------------------------------
     @property
@@ -292,10 +330,12 @@ class Trainer(TrainerEvaluation, TrainerCheckpoints):
 
     def _run(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        if cfg.resume:
-            self.resume()
+        inflight = self.resume() if cfg.resume else None
         report = self.startup_checks() if self.step == 0 else {}
-        resumed = self.publish_resumed()
+        # the in-flight batch's version before the current one, as the uninterrupted run had it
+        resumed = self.checkpoints.publish_inflight(inflight, self.sampling_adapter, self.step)
+        if resumed is not None:
+            self.sampling_versions.append(resumed)
         self.publish_sampling()
         if report:
             self.logger.log(self.step, {f"check_{k}": v for k, v in report.items()})
