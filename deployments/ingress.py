@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -65,6 +66,7 @@ class RolloutGraph(HTTPFront):
                                **{f"scorer.{k}": h for k, h in self.scorers.items()}}
         self.scorer_specs = {s.name: s for s in config.scorers}
         self.combiner = RewardCombiner(config.reward_config) if config.scorers else None
+        self._combine_lock = threading.Lock()
         self._primaries: dict[str, str] | None = None
         self._prompt_checkers: tuple[str, ...] | None = None   # required scorers with a check
         self.metrics = StageMetrics("ingress")
@@ -267,14 +269,21 @@ class RolloutGraph(HTTPFront):
         stages' own compute seconds, so the graph's fixed cost per request is their difference."""
         rid = request.request_id
         t_start = time.perf_counter()
-        cond = await self._taken("encoder", self.encoder.encode.remote(
-            [request.prompt], self._encoder_media(media)), rid)
-        negative = None
+        encoder_media = self._encoder_media(media)
+        calls = [self.encoder.encode.remote([request.prompt], encoder_media)]
         if doubles_rows(self.family.spec.guidance, request.sampling.guidance_scale):
-            # the negative with the same condition media (Qwen-Image-Edit shows it the source)
+            # the negative with the same condition media (Qwen-Image-Edit shows it the source),
+            # sent with the prompt: the encoder stage runs both (and other requests') in one
+            # forward
             uncond = self.family.conditioner.unconditional(request.prompt)
-            negative = await self._taken("encoder", self.encoder.encode.remote(
-                [uncond], self._encoder_media(media)), rid)
+            calls.append(self.encoder.encode.remote([uncond], encoder_media))
+        try:
+            cond, *rest = [await self._taken("encoder", call, rid) for call in calls]
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+        negative = rest[0] if rest else None
         conditions = {"cond": ConditionHandle("cond", await self._encoder_version_of(), cond)}
         if negative is not None:
             conditions["uncond"] = ConditionHandle("uncond", conditions["cond"].encoder_version,
@@ -384,11 +393,9 @@ class RolloutGraph(HTTPFront):
         if not self.scorers:
             return None
         n = len(stage.seeds)             # the rows out: a branch rollout's leaves
-        prompts = (request.prompt.text or "",) * n
-        conditions = {role.value: data for role, data in media.items()}
-        # the prompt's own metadata (OCR target text, GenEval objects...) reaches every scorer
-        metadata = tuple(dict(request.metadata, **conditions, seed=seed)
-                         for seed in stage.seeds)
+        # the prompt's own metadata (OCR target text, GenEval objects...) and its condition
+        # media reach every scorer, which gives each sample its copy with its seed
+        metadata = dict(request.metadata, **{role.value: data for role, data in media.items()})
         if self._primaries is None:
             names = list(self.scorers)
             got = await asyncio.gather(*(self.scorers[k].primary.remote() for k in names))
@@ -399,8 +406,9 @@ class RolloutGraph(HTTPFront):
             sources = sorted({self.io_spec[i].source or "" for i in spec.inputs})  # "": latent
             calls[name] = asyncio.wait_for(
                 self._stage_result(f"scorer.{name}", handle.score.remote(
-                    *(responses[s] if s else stage for s in sources), prompts=prompts,
-                    metadata=metadata),
+                    *(responses[s] if s else stage for s in sources),
+                    prompt=request.prompt.text or "", metadata=metadata,
+                    seeds=stage.seeds),
                     request.request_id),
                 timeout=spec.reward.timeout_s)
         results = await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -415,13 +423,20 @@ class RolloutGraph(HTTPFront):
                 result = policy_failure(name, self.scorer_specs[name].reward, n, reason, result,
                                         request_id=request.request_id)
             outputs[name] = result
-        report = self.combiner(outputs, self._primaries)
-        bad = [i for i, total in enumerate(report.total) if not math.isfinite(total)]
+        # the per-sample weighted sums run in a worker thread, not on the event loop (one at a
+        # time: running-z normalisation updates the combiner's moments)
+        report = await asyncio.to_thread(self._combine, outputs)
+        bad = [] if math.isfinite(sum(report.total)) else \
+            [i for i, total in enumerate(report.total) if not math.isfinite(total)]
         if bad:     # finite scores whose weighted sum overflows: no reward leaves non-finite
             raise NonFiniteOutputError("the combined reward is not finite", field="rewards.total",
                                        expected="finite", actual=f"samples {bad[:8]}",
                                        request_id=request.request_id)
         return report
+
+    def _combine(self, outputs: Mapping[str, ScorerOutput]) -> RewardReport:
+        with self._combine_lock:
+            return self.combiner(outputs, self._primaries)
 
     # ---------------------------------------------------------------- HTTP API
 

@@ -19,6 +19,7 @@ from contract import (InvalidRequestError, MediaArtifact, MissingArtifactError,
 from deployments.config import ScorerStage
 from deployments.memory import guard_replica_memory
 from deployments.metrics import StageMetrics
+from deployments.microbatch import run_isolated
 from rewards.base import ChecksPrompts, ScoreRequest
 from rewards.groupwise import groups_of
 from rewards.registry import build_scorer
@@ -107,8 +108,13 @@ class ScorerServer:
                                            request_id=request_ids[i] if request_ids else None
                                            ) from None
 
-    async def score(self, *decoded: StageOutput, prompts: Sequence[str],
-                    metadata: Sequence[Mapping[str, Any]]) -> ScorerOutput:
+    async def score(self, *decoded: StageOutput, prompt: str, metadata: Mapping[str, Any],
+                    seeds: Sequence[int]) -> ScorerOutput:
+        """One request's samples: its prompt and metadata (the request's own, plus its condition
+        media by role) shared by every sample, each sample's metadata adding its seed -- built
+        here, not per sample on the ingress's event loop."""
+        prompts = (prompt,) * len(seeds)
+        metadata = tuple(dict(metadata, seed=seed) for seed in seeds)
         handles = {n: h for out in decoded for n, h in out.artifacts.items()}
         missing = [n for n in self.spec.inputs if n not in handles]
         if missing:
@@ -134,30 +140,13 @@ class ScorerServer:
         """Micro-batch: requests with the same media shapes are scored in one call. A group that
         raises is re-scored request by request, so one bad request fails only itself (its
         exception is returned in its slot and raised by `score`)."""
-        requests = [p.request for p in pending]
-        results: list[ScorerOutput | Exception | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(_batch_key(r), []).append(i)
-        for idx in groups.values():
-            group = [requests[i] for i in idx]
-            try:
-                scored = await self._score_rows(_concat(group))
-                parts: list[ScorerOutput | Exception] = _split(scored,
-                                                               [len(r.prompts) for r in group])
-            except Exception as exc:  # noqa: BLE001 -- returned to the failing caller
-                if len(group) == 1:
-                    parts = [exc]
-                else:
-                    parts = []
-                    for r in group:
-                        try:
-                            parts.append(await self._score_rows(r))
-                        except Exception as one:  # noqa: BLE001
-                            parts.append(one)
-            for i, part in zip(idx, parts):
-                results[i] = part if isinstance(part, Exception) else _finite_or_error(part)
-        return results
+        async def run(group: list[ScoreRequest]) -> list[ScorerOutput]:
+            if len(group) == 1:
+                return [await self._score_rows(group[0])]
+            return _split(await self._score_rows(_concat(group)),
+                          [len(r.prompts) for r in group])
+        results = await run_isolated([p.request for p in pending], _batch_key, run)
+        return [r if isinstance(r, Exception) else _finite_or_error(r) for r in results]
 
     async def _score_rows(self, request: ScoreRequest) -> ScorerOutput:
         with self.metrics.track(len(request.prompts)):
