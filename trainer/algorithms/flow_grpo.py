@@ -240,14 +240,27 @@ def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     a = a.reshape(a.shape + (1,) * (log_prob.ndim - 1))                      # (B, 1...) broadcast
     log_ratio = log_prob - old_log_prob.detach()
     ratio = torch.exp(log_ratio)                                              # rho
-    unclipped = -a * ratio
-    clipped = -a * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()                    # pessimistic bound
+    policy_loss = clipped_surrogate(a, ratio, clip_range).mean()
+    return clipped_loss(policy_loss, ratio, log_ratio, clip_range, kl, kl_beta)
+
+
+def clipped_surrogate(advantages: torch.Tensor, ratio: torch.Tensor,
+                      clip_range: float) -> torch.Tensor:
+    """max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) per element: the pessimistic bound of the
+    clipped objective (FlowGRPO and GRPO-Guard alike); advantages broadcast against ratio."""
+    return torch.maximum(-advantages * ratio,
+                         -advantages * ratio.clamp(1.0 - clip_range, 1.0 + clip_range))
+
+
+def clipped_loss(policy_loss: torch.Tensor, ratio: torch.Tensor, log_ratio: torch.Tensor,
+                 clip_range: float, kl: torch.Tensor | None, kl_beta: float) -> FlowGRPOLoss:
+    """policy_loss + kl_beta * mean(KL) (kl: one value per log-prob, the shape of log_ratio, or
+    None) and the clipped objective's diagnostics (FlowGRPO and GRPO-Guard alike)."""
     kl_term = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
     if kl is not None:
-        if kl.shape != log_prob.shape:
+        if kl.shape != log_ratio.shape:
             raise InvalidRequestError("kl must match log_prob's shape", field="kl",
-                                      expected=tuple(log_prob.shape), actual=tuple(kl.shape))
+                                      expected=tuple(log_ratio.shape), actual=tuple(kl.shape))
         kl_term = kl.mean()
     loss = policy_loss + kl_beta * kl_term
     with torch.no_grad():

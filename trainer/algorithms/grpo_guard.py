@@ -22,7 +22,8 @@ from enum import Enum
 import torch
 
 from contract import ConfigError, InvalidRequestError, NonFiniteError
-from trainer.algorithms.flow_grpo import FlowGRPOLoss, check_clip_options
+from trainer.algorithms.flow_grpo import (FlowGRPOLoss, check_clip_options, clipped_loss,
+                                         clipped_surrogate)
 
 
 class PolicyRatio(str, Enum):
@@ -90,21 +91,8 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: to
     std_dev_t = _per_row(std_dev_t, rows, "std_dev_t").to(log_prob)
     ratio = guard_ratio(log_prob, old_log_prob, mean, old_mean, std_dev_t * sqrt_dt)      # (B,)
     a = advantages.clamp(-adv_clip_max, adv_clip_max)
-    per_row = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_range, 1.0 + clip_range))
+    per_row = clipped_surrogate(a, ratio, clip_range)
     if reweight:
         per_row = per_row / sqrt_dt ** 2
-    policy_loss = per_row.mean()
-    kl_term = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
-    if kl is not None:
-        if kl.shape != (rows,):
-            raise InvalidRequestError("kl must match log_prob's shape", field="kl",
-                                      expected=(rows,), actual=tuple(kl.shape))
-        kl_term = kl.mean()
-    loss = policy_loss + kl_beta * kl_term
-    with torch.no_grad():
-        log_ratio = log_prob - old_log_prob
-        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
-        approx_kl = 0.5 * (log_ratio ** 2).mean()
-        ratio_mean = ratio.mean()
-    return FlowGRPOLoss(loss, policy_loss.detach(), kl_term.detach(), clipfrac, approx_kl,
-                        ratio_mean)
+    return clipped_loss(per_row.mean(), ratio, (log_prob - old_log_prob).detach(), clip_range,
+                        kl, kl_beta)
