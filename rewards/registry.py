@@ -63,8 +63,10 @@ class ScorerSpec(BaseModel):
 
     @property
     def groupwise(self) -> bool:
-        """Whether the scorer compares the samples of a prompt group (rewards/groupwise.py)."""
-        return self.kind in GROUPWISE_KINDS
+        """Whether the scorer compares the samples of a prompt group (rewards/groupwise.py); a
+        remote scorer when its server's scorer does (params.groupwise, rewards/remote.py)."""
+        return self.kind in GROUPWISE_KINDS or (self.kind is ScorerKind.REMOTE and
+                                                self.params.get("groupwise") is True)
 
 
 def build_scorer(spec: ScorerSpec) -> Scorer:

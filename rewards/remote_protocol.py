@@ -3,6 +3,8 @@
 Request (POST, application/json):
     {"prompts": [str] * B,
      "metadata": [{str: JSON value}] * B,                       # per-sample prompt metadata
+     "groups": [int],                  # optional: sizes of the consecutive prompt groups the B
+                                       # samples form (sum B, each >= 1); absent / [] = not stated
      "media": {name: {"modality": "image", "format": "png", "items": [b64 PNG] * B}
                    | {"modality": "video", "format": "png", "fps": f, "items": [[b64 PNG] * T] * B}
                    | {"modality": "audio", "format": "wav", "sample_rate": r,
@@ -15,6 +17,10 @@ A score is null exactly where its sample's status is "failed". Any other answer 
 status, a body that is not JSON, lengths or types that differ -- is a protocol error.
 
 PNG keeps uint8 pixels exactly; WAV is written as 32-bit float, so audio round-trips exactly too.
+Groups: a groupwise scorer (rewards/groupwise.py: PickScore_Rank, the pairwise judge) compares
+the samples of a prompt group, so a client of one sends whole groups in one request with their
+sizes; the server hands them to its scorer as ScoreRequest.groups (it refuses a batch whose
+groups are not stated or split, as it does in process).
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from contract import (ArtifactSpec, InvalidRequestError, LimitExceededError, MediaArtifact,
                       MediaFormatError, Modality, ScorerOutput, ScoreStatus)
@@ -140,6 +146,8 @@ class ScoreBody(BaseModel):
     prompts: list[str] = Field(min_length=1)
     metadata: list[dict[str, Any]] = Field(default_factory=list)
     media: dict[str, MediaEntry]
+    groups: list[StrictInt] = Field(default_factory=list, description="Sizes of the consecutive "
+                                    "prompt groups of the batch; [] = not stated.")
 
     @model_validator(mode="before")
     @classmethod
@@ -226,6 +234,7 @@ def decode_body(body: ScoreBody, max_pixels: int = 1024 * 1024, max_body_pixels:
     if body.metadata and len(body.metadata) != batch:
         raise InvalidRequestError("one metadata object per prompt", field="metadata",
                                   expected=batch, actual=len(body.metadata))
+    check_groups(body.groups, batch)
     budget = DecodeBudget(max_body_pixels, max_body_samples)
     out = {}
     for name, entry in body.media.items():
@@ -254,6 +263,21 @@ def decode_body(body: ScoreBody, max_pixels: int = 1024 * 1024, max_body_pixels:
             raise MediaFormatError(f"items differ in shape: {e}", field=field) from None
         out[name] = MediaArtifact(spec, data)
     return out, batch
+
+
+def check_groups(groups: Sequence[int], batch: int) -> None:
+    """Stated groups are positive sizes covering the batch exactly (server side, before any
+    decode); a groupwise scorer then checks its own needs (whole groups of >= 2)."""
+    if not groups:
+        return
+    small = [i for i, n in enumerate(groups) if n < 1]
+    if small:
+        raise InvalidRequestError("a group holds at least one sample",
+                                  field=f"groups[{small[0]}]", expected=">= 1",
+                                  actual=groups[small[0]])
+    if sum(groups) != batch:
+        raise InvalidRequestError("the groups do not cover the batch", field="groups",
+                                  expected=f"sizes summing to {batch}", actual=list(groups))
 
 
 def output_json(out: ScorerOutput) -> dict[str, Any]:

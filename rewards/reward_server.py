@@ -6,7 +6,8 @@
 POST /score scores one request; GET /healthz answers {"status": "ok", "scorer": name}. Bodies
 are application/json (never pickle), strict JSON, bounded in bytes before they are read whole,
 in pixels per image and in pixels and audio samples per body (from each item's header, before
-it decodes); parsing and decoding run off the event loop. A client's mistake is a 4xx with the
+it decodes); parsing and decoding run off the event loop. A body's `groups` reach the scorer as
+ScoreRequest.groups, so a groupwise scorer (PickScore_Rank) ranks within each group it was sent. A client's mistake is a 4xx with the
 error object of contract/errors.py; any other failure, an unknown path included, the same
 shape with its status -- never a plain-text answer.
 """
@@ -57,7 +58,7 @@ def build_app(scorer: Scorer, max_body_bytes: int = 64 << 20, max_pixels: int = 
                                       actual=sorted(parsed.media))
         arts, _ = decode_body(parsed, max_pixels, max_body_pixels, max_body_samples)
         return ScoreRequest(artifacts=arts, prompts=tuple(parsed.prompts),
-                            metadata=tuple(parsed.metadata))
+                            metadata=tuple(parsed.metadata), groups=tuple(parsed.groups))
 
     async def score(request: Request) -> JSONResponse:
         try:

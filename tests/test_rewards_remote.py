@@ -177,3 +177,77 @@ def test_policy_missing_with_reason_or_required_failure(bad_server):
     assert report.by_scorer["judge"].status == (ScoreStatus.OK, ScoreStatus.MISSING)
     assert report.by_scorer["judge"].reasons[1] == "no face found"
     assert report.total == pytest.approx(((0.25 + 30 / 255) / 2, 60 / 255))
+
+
+# ---- groupwise scorers behind the reward server --------------------------------------------
+IMAGE = ArtifactSpec("image", "image", "decoded", "CHW", source="image_latent")
+
+
+@pytest.fixture(scope="module")
+def rank_server(tmp_path_factory):
+    """PickScore_Rank (a real HF CLIP checkpoint written by testing/) behind the reward server."""
+    from rewards.reward_server import build_app
+    from testing import preference_snapshots as ps
+    clip_dir = ps.write_hf_clip_dir(tmp_path_factory.mktemp("remote_rank") / "clip")
+    local = build_scorer(ScorerSpec(kind="pickscore_rank", params={"model_dir": clip_dir}))
+    with serve(build_app(local)) as url:
+        yield url, local
+
+
+def _rank_request(groups, seed=0):
+    n = sum(groups)
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8)
+    prompts = tuple(p for i, size in enumerate(groups) for p in [f"prompt {i}"] * size)
+    return ScoreRequest({"image": MediaArtifact(IMAGE, images)}, prompts, groups=groups)
+
+
+def test_remote_groupwise_scorer_equals_local_on_the_same_groups(rank_server):
+    url, local = rank_server
+    spec = ScorerSpec(kind="remote", params={"url": f"{url}/score", "primary": "rank",
+                                             "groupwise": True, "max_batch": 4,
+                                             "retry": dict(FAST, timeout_s=60)})
+    assert spec.groupwise                       # the graph checks group sizes for it too
+    scorer = build_scorer(spec)
+    for groups, requests in [((2, 2, 3), 2),     # [2, 2] together, [3] alone
+                             ((5,), 1),          # a group over max_batch goes whole
+                             ((3, 2, 2, 4), 3)]:
+        request = _rank_request(groups, seed=len(groups))
+        before = scorer.attempts
+        out, want = scorer.score(request), local.score(request)
+        assert scorer.attempts - before == requests == out.metadata["http_requests"]
+        assert out.scores["rank"] == want.scores["rank"], groups          # exact ranks
+        assert out.scores["pickscore"] == pytest.approx(want.scores["pickscore"], abs=1e-6)
+        assert out.metadata["group_sizes"] == want.metadata["group_sizes"] == list(groups)
+        # ranks are within each group (the server saw the groups, not one batch per request)
+        start = 0
+        for size in groups:
+            ranks = sorted(out.scores["rank"][start:start + size])
+            assert ranks == pytest.approx([k / size for k in range(size)])
+            start += size
+
+
+def test_remote_groupwise_refuses_split_groups_before_any_call(rank_server):
+    from contract.errors import GroupSplitError
+    from rewards.remote_protocol import ScoreBody, decode_body, encode_artifact
+    url, _ = rank_server
+    scorer = remote(f"{url}/score", primary="rank", groupwise=True, artifacts={"image": "image"})
+    request = _rank_request((2, 2))
+    for groups, field in [((), "remote.groups"), ((2, 1), "remote.groups"),
+                          ((3, 1), "remote.groups[1]")]:
+        with pytest.raises(GroupSplitError) as e:
+            scorer.score(ScoreRequest(request.artifacts, request.prompts, groups=groups))
+        assert e.value.field == field
+    assert scorer.attempts == 0
+    # the server: stated groups must cover its batch; unstated ones reach a groupwise scorer as
+    # none, which it refuses (a 4xx: the client's request, not retried)
+    art = encode_artifact(request.artifacts["image"])
+    for groups, field in [([1, 1], "groups"), ([4, 0], "groups[1]")]:
+        with pytest.raises(Exception) as e:
+            decode_body(ScoreBody.model_validate({"prompts": list(request.prompts),
+                                                  "media": {"image": art}, "groups": groups}))
+        assert getattr(e.value, "field", None) == field
+    plain = remote(f"{url}/score", primary="rank", artifacts={"image": "image"})
+    with pytest.raises(RemoteScorerError) as e:
+        plain.score(request)
+    assert "HTTP 4" in e.value.message and "groups" in e.value.message
