@@ -9,6 +9,10 @@
     does (fixed seeds, max |diff| <= atol), and it must change the output at all.
 (c) token ids: the ids the graph's encoder saw equal the ids the trainer holds and encodes.
 Each failure raises StartupCheckError naming what differed.
+A task whose condition media condition the model without being held in the state (an edit's
+source image: shown to the conditioner, its latents appended as a forward input) runs (a) and
+(b) with the held-out prompts' media (`media`: per prompt, role -> tensor): the conditions are
+the encoder stage's of prompt + source, the forward inputs the codec's of the same source.
 """
 from __future__ import annotations
 
@@ -24,13 +28,32 @@ from contract import (GuidanceKind, PromptBundle, RolloutOutput, SamplerKind, St
 from diffusion.noise import initial_noise
 from diffusion.step import Guidance, denoise_step, doubles_rows, model_dtype
 from trainer.algorithms import recompute_step
-from trainer.learner import Learner
+from trainer.learner import Learner, encode_media_conditions, request_inputs
 from trainer.lora import PolicyRole, lora_layers, use_policy
 
 PROBE_SIGMAS = (0.5, 0.75)
 
 
 # ---- (a) time convention ----------------------------------------------------------------------
+def forward_media(learner: Learner, sampling, media: Sequence[Mapping] | None,
+                  repeats: Sequence[int]) -> dict[str, torch.Tensor] | None:
+    """The per-row forward inputs (rows = sum(repeats)) of each prompt's condition media as the
+    rollout encodes them (`media` None: the codec's inputs without media), on the learner's
+    device. Media the state would hold (keyframes) are refused: these checks start every row
+    from noise."""
+    conditions = encode_media_conditions(learner.family, learner.media_modules,
+                                         [sampling] * len(repeats), media)
+    for i, c in enumerate(conditions):
+        if c.frozen is not None or c.state_shape is not None:
+            raise StartupCheckError("the start-up checks run condition media that condition the "
+                                    "model, not entries held in the sampler state",
+                                    field=f"media[{i}]", expected="no held state entries",
+                                    actual=sorted(str(getattr(r, "value", r))
+                                                  for r in (media[i] or {})))
+    inputs = request_inputs(conditions, repeats)
+    return {k: v.to(learner.device) for k, v in inputs.items()} or None
+
+
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
@@ -51,12 +74,13 @@ class _Convention:
 
 
 def prompt_conditions(learner: Learner, prompts: Sequence[PromptBundle],
-                      handles: Sequence | None = None, unconditional: bool = False):
+                      handles: Sequence | None = None, unconditional: bool = False,
+                      media: Sequence[Mapping] | None = None):
     """The prompts' conditions: the encoder stage's (`handles`, one ConditionHandle per prompt,
     fetched here and checked against the learner's signature), else the learner's own text
-    encoders on the same ids."""
+    encoders on the same ids (with each prompt's `media` the conditioner reads itself)."""
     if handles is None:
-        return learner.uncond(prompts) if unconditional else learner.encode(prompts)
+        return learner.uncond(prompts, media) if unconditional else learner.encode(prompts, media)
     from trainer.rollout_batch import ConditionRows
     return ConditionRows(tuple(handles), tuple(range(len(handles)))).fetch(
         learner.condition_signature)
@@ -103,22 +127,23 @@ def check_time_convention(learner: Learner, x0: torch.Tensor, prompts: Sequence[
 @torch.no_grad()
 def check_time_convention_scheduler(learner: Learner, prompts: Sequence[PromptBundle],
                                     sampling, seed: int = 0, atol: float = 1e-5,
-                                    handles: Sequence | None = None) -> dict[str, float]:
+                                    handles: Sequence | None = None,
+                                    media: Sequence[Mapping] | None = None) -> dict[str, float]:
     """For a checkpoint family: every step of the project's denoising step (declared time
     convention -> model time, velocity sign, Euler step) must equal the checkpoint's own
     diffusers scheduler stepping the model's raw output at the pipeline's timestep. Valid for
-    any weights (a random checkpoint too); a flipped declaration fails it."""
+    any weights (a random checkpoint too); a flipped declaration fails it. `media`: each
+    prompt's condition media (an edit's source), in its condition and forward inputs."""
     family = learner.family
     denoiser = family.denoiser
     scheduler = family.pipeline_scheduler(sampling)
     device = learner.device
     sigmas = family.sigmas(sampling).to(device)
     rows = len(prompts)
-    cond = prompt_conditions(learner, prompts, handles)
+    cond = prompt_conditions(learner, prompts, handles, media=media)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((rows, *family.codec.state_shape(sampling)), generator=gen).to(device)
-    inputs = family.codec.encode_media({}, sampling, {}).inputs
-    media = {k: v.expand(rows, *v.shape[1:]).to(device) for k, v in inputs.items()} or None
+    media = forward_media(learner, sampling, media, [1] * rows)
     guidance = Guidance.conditional(family.spec.guidance, rows)   # one raw forward per step
     worst_time = worst_step = 0.0
     with learner.policy(PolicyRole.REFERENCE) as models:
@@ -184,41 +209,44 @@ def merged_copy(learner: Learner, tensors: Mapping[str, torch.Tensor],
 def sample_local_ode(learner: Learner, models: Mapping[str, torch.nn.Module],
                      prompts: Sequence[PromptBundle], seeds: Sequence[int], num_steps: int,
                      sampling, handles: Sequence | None = None,
-                     uncond_handles: Sequence | None = None) -> torch.Tensor:
+                     uncond_handles: Sequence | None = None,
+                     media: Sequence[Mapping] | None = None) -> torch.Tensor:
     """Local ODE rollout with the project's noise, schedule and step function: (P*G, *S).
-    handles / uncond_handles: the prompts' conditions from the encoder stage."""
+    handles / uncond_handles: the prompts' conditions from the encoder stage; `media`: each
+    prompt's condition media (an edit's source), as the graph's requests carried them."""
     family = learner.family
     group = len(seeds) // len(prompts)
     repeats = [group] * len(prompts)
-    cond = prompt_conditions(learner, prompts, handles).repeat_rows(repeats)
+    cond = prompt_conditions(learner, prompts, handles, media=media).repeat_rows(repeats)
     device = learner.device
     x = initial_noise(list(seeds), family.codec.state_shape(sampling)).to(device)
     sigmas = family.sigmas(sampling.model_copy(update={"num_steps": num_steps})).to(device)
     uncond = None                                   # guided as the graph's requests were
     if doubles_rows(family.spec.guidance, sampling.guidance_scale):
-        uncond = prompt_conditions(learner, prompts, uncond_handles, True).repeat_rows(repeats)
+        uncond = prompt_conditions(learner, prompts, uncond_handles, True,
+                                   media).repeat_rows(repeats)
     guidance = learner.guidance(x.shape[0], sampling.guidance_scale, uncond)
-    media = {k: v.expand(x.shape[0], *v.shape[1:]) for k, v in
-             family.codec.encode_media(learner.media_modules, sampling, {}).inputs.items()}
+    media = forward_media(learner, sampling, media, repeats)
     with _reference(models):                                       # merged base weights only
         for i in range(num_steps):
             sigma, sigma_next = sigmas[i].expand(x.shape[0]), sigmas[i + 1].expand(x.shape[0])
             x = denoise_step(family.denoiser, models, x, sigma, sigma_next, cond, guidance,
-                             SamplerKind.ODE, 0.0, media=media or None).prev_sample
+                             SamplerKind.ODE, 0.0, media=media).prev_sample
     return x.cpu()
 
 
 def local_ode_with_probe(learner: Learner, tensors_ref, scale: float,
                          prompts: Sequence[PromptBundle], seeds: Sequence[int], num_steps: int,
                          sampling, handles: Sequence | None = None,
-                         uncond_handles: Sequence | None = None) -> torch.Tensor:
+                         uncond_handles: Sequence | None = None,
+                         media: Sequence[Mapping] | None = None) -> torch.Tensor:
     """The LoRA map check's local side on the learner: its transformer(s) with the probe
     adapter (an object ref, or the tensors) merged in, sampled by `sample_local_ode`."""
     import ray
     tensors = ray.get(tensors_ref).unpack() if isinstance(tensors_ref, ray.ObjectRef) \
         else tensors_ref
     return sample_local_ode(learner, merged_copy(learner, tensors, scale), prompts, seeds,
-                            num_steps, sampling, handles, uncond_handles)
+                            num_steps, sampling, handles, uncond_handles, media)
 
 
 def probe_lora_ref(learner: Learner, seed: int = 0) -> tuple[object, float]:

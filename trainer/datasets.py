@@ -15,6 +15,11 @@ Formats (DatasetFormat; AUTO picks by suffix):
   geneval   GenEval's metadata jsonl (`{"tag", "include": [{"class", "count"}], "prompt", ...}`):
             the whole record is the prompt's metadata, as the GenEval scorer reads it. AUTO
             chooses it for a .jsonl whose first record has "tag" and "include".
+Edits (task `edit`, e.g. Qwen-Image-Edit, FLUX.1 Kontext): one .jsonl record per edit,
+            {"prompt": instruction, "image": source image path, "negative_prompt": ...,
+             "metadata": {"source_caption": ...}} (the clip_directional scorer reads the
+            caption; the ingress hands every scorer the source under "image"). A run checks at
+            start-up that every record carries exactly its task's media (`check_task_media`).
 Every bad input is a DatasetError naming `<file>:<line>`: a missing file, a file without prompts,
 a line that is not JSON or has no prompt, a condition path that does not open as an image/video.
 Media are checked (opened, headers verified, the first video frame decoded) at load; their
@@ -362,6 +367,26 @@ def load_prompt_file(path: str | Path, fmt: DatasetFormat = DatasetFormat.AUTO
         raise DatasetError("prompt file holds no prompts", field=str(path),
                            expected=">= 1 prompt", actual=0)
     return records
+
+
+def check_task_media(records: Sequence[PromptRecord], roles: Sequence[MediaRole],
+                     task: str) -> None:
+    """Every record carries exactly the condition media of its run's task (`roles`, the
+    family's for that task; an edit: its source image, key "image"), checked from the paths
+    before any pixel is read: else a DatasetError naming `<file>:<line> <key>`."""
+    wanted = set(roles)
+    for record in records:
+        have = {MEDIA_KEYS[key][1]: key for key in record.media}
+        for role in sorted(wanted - set(have), key=lambda r: r.value):
+            keys = [k for k, (_, r) in MEDIA_KEYS.items() if r is role]
+            raise DatasetError(f"a {task} record needs its {role.value} condition media",
+                               field=f"{record.source} {keys[0]}",
+                               expected=f"a path under '{'/'.join(keys)}'", actual=None)
+        for role in sorted(set(have) - wanted, key=lambda r: r.value):
+            raise DatasetError(f"task {task} takes no {role.value} condition media",
+                               field=f"{record.source} {have[role]}",
+                               expected=sorted(r.value for r in wanted),
+                               actual=str(record.media[have[role]]))
 
 
 # ---- epoch order ----------------------------------------------------------------------------

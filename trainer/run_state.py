@@ -21,7 +21,7 @@ import torch
 
 from contract import ConfigError, DatasetError, MediaInput, PromptBundle
 from trainer.config import REPO_ROOT, EMAConfig, TrainerConfig
-from trainer.datasets import PromptDataset, PromptRecord, load_prompt_file
+from trainer.datasets import PromptDataset, PromptRecord, check_task_media, load_prompt_file
 from trainer.prompts import captions
 
 # fields a resumed run may change: how long it runs and what it writes, never what it computes
@@ -101,6 +101,19 @@ class PromptFeed:
         return StepPrompts([self._bundles[i] for i, _ in taken],
                            [dict(r.metadata) for _, r in taken],
                            media if any(m is not None for m in media) else None, before)
+
+    def check_task_media(self, task, roles: Sequence) -> None:
+        """Every training and held-out record carries exactly the condition media `roles` of
+        the run's `task` (datasets.check_task_media; an edit's source image); a task with media
+        needs prompt files (the synthetic sources have none)."""
+        if self.data is None:
+            if roles:
+                raise ConfigError(f"task {task.value} reads its condition media from prompt "
+                                  "files", field="data", expected="prompt files with "
+                                  f"{sorted(r.value for r in roles)}", actual=None)
+            return
+        for records in (self.data.records, self.eval_records):
+            check_task_media(records, roles, task.value)
 
     def eval_extras(self) -> tuple[list[dict[str, Any]], list | None]:
         media = [r.media_inputs() for r in self.eval_records]
