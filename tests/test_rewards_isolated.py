@@ -67,8 +67,10 @@ def test_scorer_runs_in_its_own_runtime_env(ray_cluster):
         art = arts["image"]
         stage = StageOutput(request_id="r0", policy_version="base", seeds=(0, 1), artifacts={
             "image": ArtifactHandle(art.spec, tuple(art.data.shape), "uint8", ray.put(art))})
-        out = handle.score.remote(stage, prompts=("a", "b"),
-                                  metadata=meta("OPEN", "zebra quilt")).result(timeout_s=300)
+        # one request: its prompt and metadata (the OCR target), each sample with its seed
+        [target] = meta("OPEN")
+        out = handle.score.remote(stage, prompt="a", metadata=target,
+                                  seeds=(0, 1)).result(timeout_s=300)
         assert out.metadata["textdistance"] == "4.6.3"
         assert out.metadata["env"] == "isolated"                   # the replica's env_vars
         right, wrong = out.scores["jaro_winkler"]
