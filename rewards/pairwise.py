@@ -29,8 +29,7 @@ from rewards.base import ScoreRequest
 from rewards.groupwise import group_slices
 from rewards.http_client import RetryPolicy
 from rewards.media import require_decoded
-from rewards.remote_protocol import png_base64
-from rewards.vlm_judge import ChoiceField, chat_client
+from rewards.vlm_judge import ChoiceField, answer_text, chat_body, chat_client
 
 
 class Undecided(str, Enum):
@@ -100,21 +99,9 @@ class VLMPairwiseScorer:
 
     def body(self, prompt: str, first: tuple[int, Any], second: tuple[int, Any]) -> dict:
         cfg = self.config
-        content: list[dict[str, Any]] = [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(x)}"}}
-            for _, x in (first, second)]
-        content.append({"type": "text", "text": cfg.template.format(
-            prompt=prompt, first=first[0], second=second[0])})
-        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt
-                    else []) + [{"role": "user", "content": content}]
-        body: dict[str, Any] = {"model": cfg.model, "messages": messages, "temperature": 0.0,
-                                "max_tokens": cfg.max_tokens}
-        if cfg.constrain:
-            labels = [str(first[0]), str(second[0])]
-            body[cfg.choice_field.value] = ({"choice": labels}
-                                            if cfg.choice_field == ChoiceField.STRUCTURED_OUTPUTS
-                                            else labels)
-        return body
+        text = cfg.template.format(prompt=prompt, first=first[0], second=second[0])
+        labels = [str(first[0]), str(second[0])] if cfg.constrain else None
+        return chat_body(cfg, [first[1], second[1]], text, labels)
 
     def winner(self, answer: str, pair: tuple[int, int], group: int) -> int | None:
         """The preferred sample of `pair` (group-local indices), None when the answer names no
@@ -152,15 +139,7 @@ class VLMPairwiseScorer:
         answers = list(self._pool.map(self._client.post, [b for _, _, b in jobs]))
         winners: list[dict[tuple[int, int], int | None]] = [{} for _ in slices]
         for (g, pair, _), ans in zip(jobs, answers):
-            try:
-                text = ans["choices"][0]["message"]["content"]
-                if not isinstance(text, str):
-                    raise TypeError(type(text).__name__)
-            except (KeyError, IndexError, TypeError) as e:
-                raise RemoteScorerError(f"judge {self.name!r} answered no chat completion "
-                                        f"({type(e).__name__}: {e})",
-                                        field=f"{self.name}.response") from None
-            winners[g][pair] = self.winner(text, pair, g)
+            winners[g][pair] = self.winner(answer_text(ans, self.name), pair, g)
         rates: list[float | None] = []
         reasons: list[str | None] = []
         for g, sl in enumerate(slices):

@@ -20,7 +20,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -99,6 +99,39 @@ def chat_client(config: Any, thread_prefix: str) -> tuple[JsonClient, ThreadPool
     return client, pool
 
 
+def chat_body(config: Any, images_chw: Sequence, text: str,
+              choices: Sequence[str] | None) -> dict[str, Any]:
+    """One chat completion of a judge config (`model`, `system_prompt`, `max_tokens`,
+    `choice_field`): the images as PNG data URLs then `text`, greedy (temperature 0), the answer
+    constrained to `choices` when given."""
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(x)}"}}
+        for x in images_chw]
+    content.append({"type": "text", "text": text})
+    messages = ([{"role": "system", "content": config.system_prompt}] if config.system_prompt
+                else []) + [{"role": "user", "content": content}]
+    body: dict[str, Any] = {"model": config.model, "messages": messages, "temperature": 0.0,
+                            "max_tokens": config.max_tokens}
+    if choices:
+        structured = config.choice_field == ChoiceField.STRUCTURED_OUTPUTS
+        body[config.choice_field.value] = {"choice": list(choices)} if structured \
+            else list(choices)
+    return body
+
+
+def answer_text(reply: Any, name: str) -> str:
+    """The answer of a chat completion reply; RemoteScorerError naming `<name>.response` when the
+    reply holds none."""
+    try:
+        text = reply["choices"][0]["message"]["content"]
+        if not isinstance(text, str):
+            raise TypeError(type(text).__name__)
+    except (KeyError, IndexError, TypeError) as e:
+        raise RemoteScorerError(f"judge {name!r} answered no chat completion "
+                                f"({type(e).__name__}: {e})", field=f"{name}.response") from None
+    return text
+
+
 class VLMJudgeScorer:
     primary = "judge"
 
@@ -111,19 +144,7 @@ class VLMJudgeScorer:
 
     def body(self, prompt: str, images_chw: list) -> dict[str, Any]:
         cfg = self.config
-        content: list[dict[str, Any]] = [
-            {"type": "image_url",
-             "image_url": {"url": f"data:image/png;base64,{png_base64(x)}"}} for x in images_chw]
-        content.append({"type": "text", "text": cfg.template.format(prompt=prompt)})
-        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt
-                    else []) + [{"role": "user", "content": content}]
-        body: dict[str, Any] = {"model": cfg.model, "messages": messages, "temperature": 0.0,
-                                "max_tokens": cfg.max_tokens}
-        if cfg.choices:
-            body[cfg.choice_field.value] = ({"choice": list(cfg.choices)}
-                                            if cfg.choice_field == ChoiceField.STRUCTURED_OUTPUTS
-                                            else list(cfg.choices))
-        return body
+        return chat_body(cfg, images_chw, cfg.template.format(prompt=prompt), cfg.choices)
 
     def parse(self, answer: str) -> tuple[float | None, str | None]:
         """(raw score, None) or (None, reason)."""
@@ -156,15 +177,7 @@ class VLMJudgeScorer:
         answers = list(self._pool.map(self._client.post, bodies))
         raw, reasons = [], []
         for ans in answers:
-            try:
-                text = ans["choices"][0]["message"]["content"]
-                if not isinstance(text, str):
-                    raise TypeError(type(text).__name__)
-            except (KeyError, IndexError, TypeError) as e:
-                raise RemoteScorerError(f"judge {self.name!r} answered no chat completion "
-                                        f"({type(e).__name__}: {e})",
-                                        field=f"{self.name}.response") from None
-            value, reason = self.parse(text)
+            value, reason = self.parse(answer_text(ans, self.name))
             raw.append(value)
             reasons.append(reason)
         span = cfg.score_max - cfg.score_min
