@@ -215,3 +215,27 @@ def test_http_branch_bounds_are_refused_before_any_rollout(strategy, branch, sta
         actual = {"branch.factor": 5, "branch.fork_steps": 3, "branch": 18,
                   "branch.fork_steps[1]": 4, "branch.fork_steps[0]": 3}[field]
         assert answer["error"]["actual"] == actual, answer
+
+
+def test_tree_grpo_config_is_checked_against_the_graphs_limits():
+    from contract import ConfigError
+    from trainer.config import check_group_sizes, load_trainer_config
+    base = {"graph": {"rollout": {"adapter": "tiny_t2i"}, "limits": LIMITS.model_dump()},
+            "algorithm": "flow_grpo", "samples_per_prompt": 2,
+            "sampler": {"num_steps": 4, "window": [0, 3]}}
+    ok = load_trainer_config(dict(base, flow_grpo={"branch": {"fork_steps": [1, 2]}}))
+    check_group_sizes(ok, ok.graph_config())                       # 8 rows: within the limit
+    assert ok.flow_grpo.branch == BRANCH
+    for branch, field, actual in [({"fork_steps": [1], "factor": 4}, "flow_grpo.branch.factor", 4),
+                                  ({"fork_steps": [0, 1], "factor": 3}, "flow_grpo.branch", 18)]:
+        cfg = load_trainer_config(dict(base, flow_grpo={"branch": branch}))
+        with pytest.raises(ConfigError) as exc:
+            check_group_sizes(cfg, cfg.graph_config())
+        assert exc.value.field == field and exc.value.actual == actual
+    for over, words in [({"algorithm": "nft"}, "algorithm must be flow_grpo"),
+                        ({"flow_grpo": {"branch": {"fork_steps": [3]}}}, "fork_steps[0]=3"),
+                        ({"sampler": {"num_steps": 4, "window_size": 1}}, "window_size")]:
+        cfg = dict(base, flow_grpo={"branch": {"fork_steps": [1]}}) | over
+        with pytest.raises(ConfigError) as exc:
+            load_trainer_config(cfg)
+        assert words in str(exc.value)
