@@ -3,7 +3,8 @@
 The graph (configs/minimax_h3_tiny.yaml with `ref2va` on and two latent-head scorers, one on
 each stream) rolls out l2va (the last keyframe alone) and ref2va (two ordered references) through
 handles, returning video + audio latents and decoded media equal to the same requests run in
-process (tests/test_families_minimax_h3.py compares that path with the diffusers pipeline).
+process (tests/test_families_minimax_h3.py compares that path with the diffusers pipeline), and
+over HTTP (`media` by role; a reference off its size is a 400 naming it).
 
 Per-modality advantages (`advantage.streams`, trainer/algorithms/modality.py): a DiffusionNFT
 step whose video stream is judged by the video scorer and whose audio stream by the audio one;
@@ -192,8 +193,8 @@ def deployed(ray_cluster, minimax_root, family, tmp_path_factory):
                         "reward": {"weight": 1.0, "policy": "required", "timeout_s": 300},
                         "stage": {"num_cpus": 0.125}} for name, p in params.items()]
     args.update(app_name=APP, policy_store=f"{APP}_store")
-    handle = serve.run(build_app(args), name=APP, route_prefix=None)
-    yield handle
+    handle = serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield {"handle": handle, "port": ray_cluster["http_port"]}
     delete_graph(args)
 
 
@@ -210,7 +211,7 @@ def test_l2va_and_ref2va_roll_out_through_handles(deployed, family, models):
                                          [(MediaRole.REFERENCE, r) for r in REFERENCES],
                                          seeds=(5, 6)), request_id="ref2va",
                         requested_artifacts=wanted)]
-    outputs = RolloutClient(deployed).rollout(requests)
+    outputs = RolloutClient(deployed["handle"]).rollout(requests)
     for request, out in zip(requests, outputs):
         art = {k: v.data for k, v in out.artifacts.items()}
         assert art["video"].shape == (2, 124, 3, 32, 64) and art["video"].dtype == torch.uint8
@@ -236,8 +237,34 @@ def test_per_modality_nft_step_through_handles(deployed, family, models):
     cfg = nft_config()
     prompts = family.conditioner.tokenize(captions(PromptSource.CLIPS, 2, 0))
     requests = make_requests(family, prompts, cfg.sampler, 3, 0, None, task=Task.T2VA)
-    outputs = RolloutClient(deployed).rollout(requests)
+    outputs = RolloutClient(deployed["handle"]).rollout(requests)
     scores = {name: [list(o.rewards.by_scorer[name].scores["latent_reward"]) for o in outputs]
               for [name] in STREAMS.values()}
     assert all(o.policy_version == BASE_VERSION for o in outputs)
     check_stream_step(family, models, outputs, prompts, [r.sampling for r in requests], scores)
+
+
+def test_ref2va_and_l2va_over_http(deployed):
+    """POST /rollout with `media` by role: ref2va's references in order and l2va's last keyframe
+    answer 200 with both streams; a reference off the configured size is a 400 naming it,
+    before any stage runs."""
+    import httpx
+
+    from tests.test_families_minimax_h3 import _b64_png
+    url = f"http://127.0.0.1:{deployed['port']}/{APP}/rollout"
+    base = {"prompts": ["a red ball bounces"], "samples_per_prompt": 1, "seed": 3,
+            "num_steps": 3, "sampler": "ode", "noise_level": 0.0, "guidance_scale": 1.0,
+            "artifacts": ["video_latent", "audio_latent"], **SIZE}
+    refs = [_b64_png(r) for r in REFERENCES]
+    for extra in ({"task": "ref2va", "media": [{"reference": refs}]},
+                  {"task": "l2va", "media": [{"last_frame": _b64_png(LAST)}]}):
+        reply = httpx.post(url, json=base | extra, timeout=600)
+        assert reply.status_code == 200, reply.text
+        [sample] = reply.json()["results"][0]["samples"]
+        shapes = {a["name"]: a["shape"] for a in sample["artifacts"]}
+        assert shapes == {"video_latent": [8, 37, 2, 4], "audio_latent": [414, 8]}, shapes
+    bad = _b64_png(torch.zeros(3, 32, 40, dtype=torch.uint8))
+    reply = httpx.post(url, json=base | {"task": "ref2va", "media": [{"reference": [refs[0], bad]}]},
+                       timeout=60)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["field"] == "media.reference[1]", reply.text
