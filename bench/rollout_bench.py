@@ -7,10 +7,17 @@ All requests arrive together (N requests, one row each, same steps and sampler):
   engine_sequential   the same engine, one request at a time
   static_batch        flow_grpo-style: all N rows stacked into one call of a plain denoising loop
   one_at_a_time_loop  the same plain loop, one request per call
-Staggered arrivals (Poisson, fixed seed, the same offered load for every policy; bench/arrivals.py)
-at 0.6 and 0.9 of the static batch's all-together capacity:
-  stepwise / static_batch / one_at_a_time: samples/s and latency p50 / p95 -- the case continuous
-  batching exists for (a request joins at the next step instead of waiting for a batch to end).
+Step time vs rows: seconds per denoising step at 1..16 rows, the plain loop and the engine, with
+  a fixed + per-row least-squares fit.
+Staggered arrivals (Poisson, seeded traces, the same offered load for every policy;
+bench/arrivals.py) at 0.6 and 0.9 of the static batch's all-together capacity:
+  stepwise / static_batch (greedy: whatever waits starts as soon as the executor is free, the
+  same row bound as the engine) / one_at_a_time: samples/s, latency p50 / p95 pooled over the
+  traces, and where the latency went (wait before the first step, run after it) -- the case
+  continuous batching exists for (a request joins at the next step instead of waiting for a
+  batch to end).
+Bound: the same policies simulated with no scheduling overhead on the measured step-time curve
+  (and on a flat one): the p95 ratio the best scheduler could reach on this machine.
 Mixed workload (all arrive together): 10 / 20 / 28-step requests, two LoRA versions, CFG and
   no-CFG. stepwise: the engine; static_batch: each compatible group (same steps, version,
   guidance) one plain-loop call, groups in arrival order -- a static loop cannot mix schedules.
@@ -39,10 +46,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adapters.registry import get_family
-from bench.arrivals import percentile, poisson_arrivals, serve_batched, serve_stepwise
+from bench.arrivals import (percentile, poisson_arrivals, serve_batched, serve_stepwise,
+                            simulate_static, simulate_stepwise, step_time_curve, summarize)
 from bench.plain_loop import plain_loop
 from contract import Condition, RolloutRequest, SamplerKind, SamplingSpec, Task
 from diffusion.noise import initial_noise, row_noise
@@ -161,8 +170,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     modes = list(result["samples_per_s"])
     colors = [f"C{i}" for i in range(len(modes))]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    ax1, ax2, ax3, ax4 = axes
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4))
+    ax1, ax2, ax3, ax4, ax5 = axes
     ax1.bar(modes, [result["samples_per_s"][m] for m in modes], color=colors)
     ax1.set_ylabel("samples / s")
     ax1.set_title(f"all {result['requests']} arrive together, {result['steps']} steps: "
@@ -195,20 +204,115 @@ def plot(result: dict, path: Path) -> None:
     ax4.set_title(f"8 samples / prompt, fork at step {branch['fork']['step']}: x"
                   f"{branch['speedup']:.2f} (row-forwards x{branch['row_forward_ratio']:.2f})",
                   fontsize=9)
+    curve = result["step_time_vs_rows"]
+    for side, color in (("plain", "C2"), ("engine", "C0")):
+        ax5.plot(curve["rows"], [t * 1e3 for t in curve[side]["step_s"]], "o-", color=color,
+                 label=f"{side}: {curve[side]['fit_fixed_s'] * 1e3:.1f} ms + "
+                       f"{curve[side]['fit_per_row_s'] * 1e3:.2f} ms x rows")
+    ax5.set_xlabel("rows in the step")
+    ax5.set_ylabel("ms per step")
+    ax5.set_ylim(bottom=0)
+    ax5.legend(fontsize=7)
+    best = {load: row["measured_curve"]["best_p95_vs_static_greedy"]
+            for load, row in result["staggered_bound"].items()}
+    ax5.set_title("step time vs rows; best p95 vs static any scheduler reaches here: " +
+                  ", ".join(f"{v:.2f} @ {load}" for load, v in best.items()), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def staggered(engine, adapter, components, requests, rate_per_s: float, seed: int) -> dict:
-    """The three policies on the same Poisson arrival times and requests."""
-    arrivals = poisson_arrivals(len(requests), rate_per_s, seed)
+def staggered(engine, adapter, components, requests, rate_per_s: float, seeds: list[int]) -> dict:
+    """The policies on the same Poisson arrival times and requests, one trace per seed, the
+    policies taking turns (which goes first alternates), latencies pooled over the traces.
+    stepwise and static_batch have the same row bound (the engine's max_batch_rows);
+    one_at_a_time (a peer that batches nothing, minutes under load) runs the first trace only."""
     plain = lambda batch: run_plain_loop(adapter, components, batch)  # noqa: E731
-    return {"rate_per_s": rate_per_s, "seed": seed, "requests": len(requests),
-            "policies": {
-                "stepwise": serve_stepwise(engine, requests, arrivals),
-                "static_batch": serve_batched(plain, requests, arrivals, len(requests)),
-                "one_at_a_time": serve_batched(plain, requests, arrivals, 1)}}
+    cap = engine.limits.max_batch_rows
+    runs = {"stepwise": [], "static_batch": [], "one_at_a_time": []}
+    for k, seed in enumerate(seeds):
+        arrivals = poisson_arrivals(len(requests), rate_per_s, seed)
+        turns = [("stepwise", lambda: serve_stepwise(engine, requests, arrivals)),
+                 ("static_batch", lambda: serve_batched(plain, requests, arrivals, cap))]
+        for policy, serve in (turns if k % 2 == 0 else turns[::-1]):
+            runs[policy].append(serve())
+        if k == 0:
+            runs["one_at_a_time"].append(serve_batched(plain, requests, arrivals, 1))
+    out = {"rate_per_s": rate_per_s, "seeds": seeds, "requests_per_trace": len(requests),
+           "max_batch_rows": cap, "policies": {p: summarize(r) for p, r in runs.items()}}
+    pol = out["policies"]
+    out["p95_vs_static"] = pol["stepwise"]["latency_p95_s"] / pol["static_batch"]["latency_p95_s"]
+    out["throughput_vs_static"] = pol["stepwise"]["samples_per_s"] / \
+        pol["static_batch"]["samples_per_s"]
+    out["p95_vs_static_per_trace"] = [
+        percentile(a["latency_s"], 95) / percentile(b["latency_s"], 95)
+        for a, b in zip(runs["stepwise"], runs["static_batch"])]
+    return out
+
+
+def step_curve(engine, adapter, components, requests, max_rows: int, repeats: int) -> dict:
+    """Seconds per denoising step (forward + sampler step) at 1..max_rows rows: the plain loop
+    over r rows, and the engine with r one-row requests in flight (its admission, scheduling
+    and result bookkeeping included); median of `repeats` after a warm-up, taking turns."""
+    runners = {}
+    for r in range(1, max_rows + 1):
+        runners[("plain", r)] = lambda r=r: run_plain_loop(adapter, components, requests[:r])
+        runners[("engine", r)] = lambda r=r: run_concurrent(engine, requests[:r])
+    seconds = measure_interleaved(runners, repeats)
+    steps = requests[0].request.sampling.num_steps
+    out = {"rows": list(range(1, max_rows + 1))}
+    for side in ("plain", "engine"):
+        per_step = [seconds[(side, r)] / steps for r in out["rows"]]
+        slope, intercept = np.polyfit(out["rows"], per_step, 1)
+        out[side] = {"step_s": per_step, "fit_fixed_s": float(intercept),
+                     "fit_per_row_s": float(slope),
+                     "rows_per_s": [r / t for r, t in zip(out["rows"], per_step)]}
+    plain = out["plain"]
+    out["fixed_share_at_1_row"] = plain["fit_fixed_s"] / plain["step_s"][0]
+    out["step_16_over_step_1"] = plain["step_s"][-1] / plain["step_s"][0]
+    return out
+
+
+def bound(curve: dict, steps: int, loads: dict[str, float], requests: int, max_rows: int,
+          traces: int = 400) -> dict:
+    """What any scheduler could reach on this machine: the policies simulated with no overhead
+    on the measured plain-loop step-time curve (bench.arrivals.simulate_*), over `traces`
+    Poisson traces per load; and the same on a flat curve (every row count costs one row's
+    step: a forward bound by its fixed cost, as on a GPU far from saturation)."""
+    measured = step_time_curve(curve["rows"], curve["plain"]["step_s"])
+    flat = lambda r: curve["plain"]["step_s"][0]  # noqa: E731
+    a, b = curve["plain"]["fit_fixed_s"], curve["plain"]["fit_per_row_s"]
+    out = {}
+    for load, rate in loads.items():
+        row = {"rate_per_s": rate}
+        for name, step_s in (("measured_curve", measured), ("flat_curve", flat)):
+            full_batch_s = steps * step_s(max_rows)
+            policies = {
+                "static_greedy": lambda arr: simulate_static(arr, steps, step_s, max_rows),
+                "static_full_or_max_wait": lambda arr: simulate_static(
+                    arr, steps, step_s, max_rows, max_wait_s=full_batch_s / 2),
+                "stepwise_fair": lambda arr: simulate_stepwise(arr, steps, step_s, max_rows),
+                "stepwise_oldest": lambda arr: simulate_stepwise(arr, steps, step_s, max_rows,
+                                                                 "oldest")}
+            for cap in (c for c in (2, 4, 8) if c < max_rows):
+                policies[f"stepwise_oldest_max{cap}"] = lambda arr, c=cap: simulate_stepwise(
+                    arr, steps, step_s, c, "oldest")
+            p95 = {}
+            for policy, sim in policies.items():
+                lat = [v for seed in range(traces)
+                       for v in sim(poisson_arrivals(requests, rate, 10_000 + seed))]
+                p95[policy] = percentile(lat, 95)
+            best = min((p for p in p95 if p.startswith("stepwise")), key=p95.get)
+            row[name] = {"latency_p95_s": p95, "best_stepwise": best,
+                         "best_p95_vs_static_greedy": p95[best] / p95["static_greedy"]}
+        # processor sharing with a fixed cost per step (M/D/1-style): B rows in flight make a
+        # step a + b B; Little's law B = lambda N (a + b B) gives the mean latency N a / (1 - rho)
+        rho = rate * steps * b
+        row["stepwise_mean_latency_closed_form_s"] = steps * a / (1 - rho) if rho < 1 else None
+        row["per_row_utilization"] = rho
+        row["min_latency_s"] = steps * curve["plain"]["step_s"][0]
+        out[load] = row
+    return out
 
 
 def _lora(components, seed: int) -> dict[str, torch.Tensor]:
@@ -335,6 +439,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="offered loads of the staggered runs, as fractions of the static "
                              "batch's all-together capacity")
     parser.add_argument("--arrival-requests", type=int, default=32)
+    parser.add_argument("--arrival-traces", type=int, default=5,
+                        help="Poisson traces (seeds seed..seed+n-1) per load, latencies pooled")
+    parser.add_argument("--sim-traces", type=int, default=200,
+                        help="simulated traces per load and policy for the bound")
     parser.add_argument("--mixed-requests", type=int, default=24)
     parser.add_argument("--branch-prompts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -363,8 +471,10 @@ def main(argv: list[str] | None = None) -> dict:
         capacity = args.requests / timings["static_batch"]
         dependence = batch_dependence(engine, requests)
         arriving = _requests(adapter, encoders, args.arrival_requests, args.steps)
+        curve = step_curve(engine, adapter, components, arriving, args.requests, args.repeats)
+        seeds = list(range(args.seed, args.seed + args.arrival_traces))
         stagger = {f"{load:g}": staggered(engine, adapter, components, arriving,
-                                          load * capacity, args.seed)
+                                          load * capacity, seeds)
                    for load in args.arrival_loads}
         wide.load_lora("v1", _lora(components, 7))
         mixed = mixed_requests(adapter, encoders, args.mixed_requests)
@@ -424,9 +534,28 @@ def main(argv: list[str] | None = None) -> dict:
                                  "row count). A batch-invariant mode is possible only with "
                                  "fixed-order (batch-invariant) matmul / attention / norm kernels, "
                                  "which torch's CPU and cuBLAS defaults are not.",
+        "step_time_vs_rows": curve,
+        "step_time_note": "seconds per denoising step at 1..N rows on this CPU: plain = the "
+                          "static batch's loop over r rows, engine = r one-row requests in "
+                          "flight; fit = fixed + per_row x rows. A step's cost grows about "
+                          "linearly with its rows, so a row joining a running batch is not free "
+                          "as on a GPU far from saturation",
         "staggered": stagger,
         "staggered_note": "Poisson arrivals at each load x the static batch's all-together "
-                          "capacity, the same times and requests for each policy",
+                          "capacity; per trace the same times and requests for each policy, "
+                          "the policies taking turns; latencies pooled over the traces. wait = "
+                          "arrival to the request's first step (static: to its batch's start), "
+                          "run = first step to finish",
+        "staggered_bound": bound(curve, args.steps, {k: v["rate_per_s"]
+                                                     for k, v in stagger.items()},
+                                 args.arrival_requests, args.requests, args.sim_traces),
+        "staggered_bound_note": "the policies simulated with zero scheduling overhead on the "
+                                "measured plain step-time curve (and on a flat one, every row "
+                                "count at one row's cost): the best step-wise p95 / the greedy "
+                                "static batcher's p95 any scheduler could reach on this curve; "
+                                "static_full_or_max_wait (waits for a full batch or half a full "
+                                "batch's run) is the weaker static baseline, static_greedy (starts "
+                                "whatever waits as soon as the executor is free) the one measured",
         "mixed": {"requests": args.mixed_requests, "steps": [10, 20, 28],
                   "versions": ["base", "v1"], "guidance": [1.0, 3.0],
                   "policies": mixed_result,
@@ -436,12 +565,6 @@ def main(argv: list[str] | None = None) -> dict:
                   mixed_result["static_batch"]["latency_p95_s"]},
         "branched": branch,
     }
-    for load, runs in stagger.items():
-        pol = runs["policies"]
-        runs["p95_vs_static"] = pol["stepwise"]["latency_p95_s"] / \
-            pol["static_batch"]["latency_p95_s"]
-        runs["throughput_vs_static"] = pol["stepwise"]["samples_per_s"] / \
-            pol["static_batch"]["samples_per_s"]
     result["goals"] = {"vs_static_batch": ">= 1.0", "staggered_p95_vs_static": "<= 0.6",
                        "mixed_throughput_vs_static": ">= 1.3", "branched_speedup": ">= 1.6",
                        "batching_speedup": ">= 3.0", "vs_one_at_a_time_loop": ">= 1.5"}
@@ -452,6 +575,10 @@ def main(argv: list[str] | None = None) -> dict:
         "branched_speedup": branch["speedup"] >= 1.6,
         "batching_speedup": result["batching_speedup"] >= 3.0,
         "vs_one_at_a_time_loop": result["vs_one_at_a_time_loop"] >= 1.5}
+    result["staggered_p95_reachable"] = {
+        load: {curve_name: row[curve_name]["best_p95_vs_static_greedy"] <= 0.6
+               for curve_name in ("measured_curve", "flat_curve")}
+        for load, row in result["staggered_bound"].items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rollout.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "rollout.png")
@@ -459,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              "static_capacity_samples_per_s", "mixed",
                                              "branched", "goals_met")}, indent=2))
     for load, runs in stagger.items():
-        print(load, runs["p95_vs_static"], runs["throughput_vs_static"])
+        print(load, runs["p95_vs_static"], runs["throughput_vs_static"],
+              result["staggered_bound"][load]["measured_curve"]["best_p95_vs_static_greedy"])
     return result
 
 
