@@ -150,9 +150,9 @@ def run_one_at_a_time(adapter, models, requests: list[EngineRequest]) -> None:
         run_plain_loop(adapter, models, [r])
 
 
-def measure_interleaved(runners: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per mode; the modes take turns in every round (after one warm-up each),
-    so a shared machine's changing load falls on all of them alike."""
+def times_interleaved(runners: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of every run per mode; the modes take turns in every round (after one warm-up
+    each), so a shared machine's changing load falls on all of them alike."""
     for fn in runners.values():
         fn()
     times: dict[str, list[float]] = {mode: [] for mode in runners}
@@ -161,7 +161,12 @@ def measure_interleaved(runners: dict, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[mode].append(time.perf_counter() - t0)
-    return {mode: statistics.median(t) for mode, t in times.items()}
+    return times
+
+
+def measure_interleaved(runners: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per mode (times_interleaved)."""
+    return {mode: statistics.median(t) for mode, t in times_interleaved(runners, repeats).items()}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -253,20 +258,24 @@ def staggered(engine, adapter, components, requests, rate_per_s: float, seeds: l
 def step_curve(engine, adapter, components, requests, max_rows: int, repeats: int) -> dict:
     """Seconds per denoising step (forward + sampler step) at 1..max_rows rows: the plain loop
     over r rows, and the engine with r one-row requests in flight (its admission, scheduling
-    and result bookkeeping included); median of `repeats` after a warm-up, taking turns."""
+    and result bookkeeping included), after a warm-up, taking turns: the median of `repeats`
+    and the least contended (the minimum), which the fit and the bound use -- on a shared
+    machine one burst of load in a repeat would otherwise bend the curve."""
     runners = {}
     for r in range(1, max_rows + 1):
         runners[("plain", r)] = lambda r=r: run_plain_loop(adapter, components, requests[:r])
         runners[("engine", r)] = lambda r=r: run_concurrent(engine, requests[:r])
-    seconds = measure_interleaved(runners, repeats)
+    seconds = times_interleaved(runners, repeats)
     steps = requests[0].request.sampling.num_steps
     out = {"rows": list(range(1, max_rows + 1))}
     for side in ("plain", "engine"):
-        per_step = [seconds[(side, r)] / steps for r in out["rows"]]
+        per_step = [min(seconds[(side, r)]) / steps for r in out["rows"]]
         slope, intercept = np.polyfit(out["rows"], per_step, 1)
         out[side] = {"step_s": per_step, "fit_fixed_s": float(intercept),
                      "fit_per_row_s": float(slope),
-                     "rows_per_s": [r / t for r, t in zip(out["rows"], per_step)]}
+                     "rows_per_s": [r / t for r, t in zip(out["rows"], per_step)],
+                     "step_s_median": [statistics.median(seconds[(side, r)]) / steps
+                                       for r in out["rows"]]}
     plain = out["plain"]
     out["fixed_share_at_1_row"] = plain["fit_fixed_s"] / plain["step_s"][0]
     out["step_16_over_step_1"] = plain["step_s"][-1] / plain["step_s"][0]
@@ -537,7 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
         "step_time_vs_rows": curve,
         "step_time_note": "seconds per denoising step at 1..N rows on this CPU: plain = the "
                           "static batch's loop over r rows, engine = r one-row requests in "
-                          "flight; fit = fixed + per_row x rows. A step's cost grows about "
+                          "flight; step_s the least contended repeat (step_s_median the "
+                          "median); fit = fixed + per_row x rows. A step's cost grows about "
                           "linearly with its rows, so a row joining a running batch is not free "
                           "as on a GPU far from saturation",
         "staggered": stagger,
