@@ -145,14 +145,19 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         "qwen_image", "adapters.qwen_image:QwenImageFamily",
         "adapters.qwen_image:QwenImageOptions",
         ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
-         "QwenImageEditPipeline"),
+         "QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
         (TinyCheckpoint("qwen_image", "QwenImagePipeline",
                         "testing.tiny_qwen_image:qwen_image_parts",
                         SampleSize(64, 96, max_sequence_length=32)),
          # a processor feeds the edit's source image to the vision tower: the folder edits
          TinyCheckpoint("qwen_image_edit", "QwenImageEditPipeline",
                         "testing.tiny_qwen_image:qwen_image_edit_parts",
-                        SampleSize(64, 96, max_sequence_length=48)))),
+                        SampleSize(64, 96, max_sequence_length=48)),
+         # the same components saved by QwenImageEditPlusPipeline: 1 to 3 ordered sources,
+         # each a "Picture i" vision block (a longer presentation: a larger window)
+         TinyCheckpoint("qwen_image_edit_plus", "QwenImageEditPlusPipeline",
+                        "testing.tiny_qwen_image:qwen_image_edit_plus_parts",
+                        SampleSize(64, 96, max_sequence_length=80)))),
 )
 
 ENTRIES: dict[str, FamilyEntry] = {entry.name: entry for entry in FAMILIES}

@@ -15,8 +15,8 @@
 The one denoising step (forward + guidance + time convention + sampler) is
 `diffusion.step.denoise_step`; nothing in a family re-implements it. What every diffusers-
 checkpoint family shares (its entry's pipeline class and options, the pipeline's scheduler, the
-[-1, 1] -> uint8 postprocess, the condition-frame and decoded-latent checks, a request's id on
-its errors) is here too: `CheckpointFamily` and the helpers below.
+[-1, 1] -> uint8 postprocess, the condition-frame, edit source-image and decoded-latent checks,
+a request's id on its errors) is here too: `CheckpointFamily` and the helpers below.
 """
 from __future__ import annotations
 
@@ -92,6 +92,16 @@ def check_condition_frame(frame: torch.Tensor, height: int, width: int, field: s
                                actual=f"{frame.dtype} {tuple(frame.shape)}")
 
 
+def check_source_image(image: torch.Tensor, limits: RequestLimits,
+                       field: str = "media.image") -> None:
+    """An edit's source image is within the request's size bounds (never resized to fit)."""
+    for axis, name, bound in ((1, "height", limits.max_height), (2, "width", limits.max_width)):
+        if image.ndim == 3 and image.shape[axis] > bound:
+            raise LimitExceededError(f"the source image's {name} exceeds the request bound",
+                                     field=field, expected=f"{name} <= {bound}",
+                                     actual=tuple(image.shape))
+
+
 def check_latent_shape(latent: torch.Tensor, want: Sequence[int], latent_name: str) -> None:
     """A latent handed to a decoder has the per-row shape its sampling size gives."""
     if tuple(latent.shape[1:]) != tuple(want):
@@ -164,6 +174,9 @@ class FamilySpec:
     encoders: tuple[EncoderSpec, ...]
     decoders: Mapping[str, tuple[str, ...]]          # latent artifact -> components it decodes with
     media_encoders: tuple[str, ...] = ()             # components that encode condition media
+    # roles a task may take besides its required ones, in order (a multi-image edit's
+    # image_2, image_3: a request takes a prefix of them)
+    optional_media: Mapping[Task, tuple[MediaRole, ...]] = field(default_factory=dict)
     sampling_defaults: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -456,10 +469,18 @@ class ModelFamily(ABC):
                                       actual=request.task.value, request_id=rid)
         media = normalize_media(request.media, request.task, rid)
         required = set(self.spec.tasks[request.task])
-        if set(media) != required:
+        optional = tuple(self.spec.optional_media.get(request.task, ()))
+        taken = [r for r in optional if r in media]
+        if not required <= set(media) <= required | set(optional) or \
+                taken != list(optional[:len(taken)]):
+            expected = sorted(r.value for r in required)
+            if optional:        # the required roles, then a prefix of the optional ones
+                expected = {"required": expected, "then": [r.value for r in optional]}
             raise InvalidRequestError(f"task {request.task.value} takes exactly the media roles "
-                                      f"{sorted(r.value for r in required)}", field="media",
-                                      expected=sorted(r.value for r in required),
+                                      f"{sorted(r.value for r in required)}" +
+                                      (f" and a prefix of {[r.value for r in optional]}"
+                                       if optional else ""), field="media",
+                                      expected=expected,
                                       actual=sorted(r.value for r in media), request_id=rid)
         with request_errors(rid):
             doubles_rows(self.spec.guidance, request.sampling.guidance_scale)

@@ -43,9 +43,10 @@ from adapters.diffusers_parts import (CLIP_TEXT_MODEL_ETP_PLAN, T5_ETP_PLAN, Flo
                                       ImageVAE, TokenizingConditioner, clip_pooled,
                                       encoder_vocab_size, t5_hidden, tokenizer_max_length)
 from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec, MediaCondition,
-                             OneLatentCodec, Overflow, image_io_spec, request_errors)
+                             OneLatentCodec, Overflow, check_source_image, image_io_spec,
+                             request_errors)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
-                      LimitExceededError, MediaFormatError, MediaRole, PromptBundle,
+                      MediaFormatError, MediaRole, PromptBundle,
                       RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
 from diffusion.guidance import GuidanceRule
 
@@ -100,15 +101,6 @@ def latent_image_ids(rows: int, cols: int, index: float = 0.0) -> torch.Tensor:
     ids[..., 1] = ids[..., 1] + torch.arange(rows)[:, None]
     ids[..., 2] = ids[..., 2] + torch.arange(cols)[None, :]
     return ids.reshape(rows * cols, 3)
-
-
-def check_source_image(image: torch.Tensor, limits: RequestLimits) -> None:
-    """An edit's source image is within the request's size bounds (never resized to fit)."""
-    for axis, name, bound in ((1, "height", limits.max_height), (2, "width", limits.max_width)):
-        if image.ndim == 3 and image.shape[axis] > bound:
-            raise LimitExceededError(f"the source image's {name} exceeds the request bound",
-                                     field="media.image", expected=f"{name} <= {bound}",
-                                     actual=tuple(image.shape))
 
 
 class FluxCodec(OneLatentCodec):

@@ -46,6 +46,28 @@ presentation; the ids are made once per prompt in the edit template):
   source       VAE posterior mode, (z - mean) / std, packed, appended after the noise tokens;
                img_shapes [(1, h/16, w/16), (1, sh/16, sw/16)] (:712-717); the velocity is the
                first h w / 256 tokens of the output (:782); guidance as text-to-image (:797-801)
+
+Edit Plus (Qwen-Image-Edit-2509, QwenImageEditPlusPipeline, pipeline_qwenimage_edit_plus.py): a
+folder of the same components whose model_index names that class (the class is all that tells
+the presentations apart) serves the edit task with 1 to 3 ordered source images, media roles
+image, image_2, image_3 (contract SOURCE_IMAGE_ROLES; a request takes a prefix of them):
+  sources      each at the size the pipeline resizes it to for its VAE (VAE_IMAGE_SIZE, about
+               1024 x 1024 at its aspect ratio, :702): required as for Edit, any other size a
+               MediaFormatError naming media.<role> and its size
+  ids          the template without a vision block (:215, 64 tokens dropped, :216); before the
+               prompt one "Picture i: <|vision_start|><|image_pad|><|vision_end|>" per source
+               (:239-252). The prompt's ids are made once without the blocks; a request's
+               blocks are spliced in after the 64 template tokens (that this is the pipeline's
+               tokenization is checked for the template at load and for each prompt where it is
+               tokenized: a prompt whose first characters would merge with the header is
+               refused naming it)
+  vision       each source resized to its condition size (CONDITION_IMAGE_SIZE, about 384 x 384
+               at its aspect ratio, PIL lanczos as the pipeline's VaeImageProcessor.resize,
+               :699-705): the view the pipeline gives the VL, part of its presentation; the
+               processor patches the list of them (:254)
+  source       each source VAE-encoded and packed on its own, the tokens concatenated in order
+               (:469-491); img_shapes one entry per source (:753-761); guidance as text-to-image
+               (do_true_cfg :719, norm-rescaled combination :841-845)
 """
 from __future__ import annotations
 
@@ -61,13 +83,13 @@ from torch import nn
 from adapters.checkpoint import read_json
 from adapters.diffusers_parts import (QWEN_VL_ETP_PLAN, FlowSchedule, TokenizingConditioner,
                                       encoder_vocab_size)
-from adapters.flux import check_source_image
 from adapters.family import (CheckpointFamily, EncoderSpec, FamilySpec,
                              MediaCondition, OneLatentCodec, Overflow, check_latent_shape,
-                             image_io_spec, request_errors, unit_to_uint8)
+                             check_source_image, image_io_spec, request_errors, unit_to_uint8)
 from contract import (Condition, ConfigError, GuidanceKind, InvalidRequestError, Layout,
                       LimitExceededError, MediaFormatError, MediaRole, PromptBundle,
                       RequestLimits, RolloutRequest, SamplingSpec, Task, TimeConvention)
+from contract.enums import SOURCE_IMAGE_ROLES
 from diffusion.guidance import NORM_RESCALED_CFG, CFGRule, GuidanceRule
 
 QWEN = "qwen"                         # the encoder's name (keys its ids in a PromptBundle)
@@ -86,15 +108,34 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
 EDIT_DROP = 64                         # pipeline_qwenimage_edit.py:213
 EDIT_SOURCE_AREA = 1024 * 1024         # pipeline_qwenimage_edit.py:624
 IMAGE_PAD = "<|image_pad|>"
-SOURCE_LATENTS = "source_latents"      # media input of an edit row: the packed source image
+SOURCE_LATENTS = "source_latents"      # media input of an edit row: the packed source image(s)
+# Qwen-Image-Edit-Plus (pipeline_qwenimage_edit_plus.py): the edit system prompt without a
+# vision block (:215); each source image is a "Picture i: " block before the prompt (:239-252)
+EDIT_PLUS_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, "
+                      "shape, size, texture, objects, background), then explain how the user's "
+                      "text instruction should alter or modify the image. Generate a new image "
+                      "that meets the user's requirements while maintaining consistency with the "
+                      "original input where appropriate.<|im_end|>\n<|im_start|>user\n{}"
+                      "<|im_end|>\n<|im_start|>assistant\n")
+EDIT_PLUS_DROP = 64                    # pipeline_qwenimage_edit_plus.py:216
+PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"   # :239
+CONDITION_AREA = 384 * 384             # pipeline_qwenimage_edit_plus.py:66 (the VL's view)
+EDIT_PLUS_PIPELINE = "QwenImageEditPlusPipeline"
+
+
+def calculate_dimensions(area: int, height: int, width: int) -> tuple[int, int]:
+    """(height, width) of about `area` pixels at width / height, sides multiples of 32 (the
+    pipelines' calculate_dimensions, pipeline_qwenimage_edit.py:155-162)."""
+    ratio = width / height
+    w = math.sqrt(area * ratio)
+    return round(w / ratio / 32) * 32, round(w / 32) * 32
 
 
 def edit_source_size(height: int, width: int) -> tuple[int, int]:
-    """(height, width) QwenImageEditPipeline resizes a source image of this size to
-    (calculate_dimensions(1024 * 1024, width / height), pipeline_qwenimage_edit.py:155-162)."""
-    ratio = width / height
-    w = math.sqrt(EDIT_SOURCE_AREA * ratio)
-    return round(w / ratio / 32) * 32, round(w / 32) * 32
+    """(height, width) QwenImageEditPipeline (:624) and QwenImageEditPlusPipeline (the VAE
+    image, VAE_IMAGE_SIZE, pipeline_qwenimage_edit_plus.py:67, :702) resize a source image of
+    this size to."""
+    return calculate_dimensions(EDIT_SOURCE_AREA, height, width)
 
 QWEN_IMAGE_LORA_TARGETS = (
     # dual-stream blocks: image stream, text stream (names as the QwenImage LoRA loader saves)
@@ -214,20 +255,41 @@ class QwenEditConditioner(QwenConditioner):
         raise InvalidRequestError("a Qwen-Image-Edit prompt is encoded with its source image",
                                   field="media", expected=[MediaRole.IMAGE.value], actual=[])
 
-    def vision_inputs(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
-        """pixel_values / image_grid_thw of a uint8 (3, H, W) source as the pipeline's
-        processor makes them from the PIL image it holds (:241)."""
+    def sources(self, item: Mapping[MediaRole, torch.Tensor], i: int) -> list[torch.Tensor]:
+        """A prompt's source image(s) the VL reads, in order; a prompt without: refused."""
+        if MediaRole.IMAGE not in item:
+            raise InvalidRequestError("a Qwen-Image-Edit prompt is encoded with its source "
+                                      "image", field=f"media[{i}]",
+                                      expected=[MediaRole.IMAGE.value],
+                                      actual=sorted(r.value for r in item))
+        return [item[MediaRole.IMAGE]]
+
+    def shown(self, image: torch.Tensor):
+        """The PIL image the pipeline hands its processor for a uint8 (3, H, W) source (Edit:
+        the source itself, :662-665)."""
         from PIL import Image
-        pil = Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).cpu().numpy()))
-        vision = self.processor().image_processor(images=[pil], return_tensors="pt")
+        return Image.fromarray(np.ascontiguousarray(image.permute(1, 2, 0).cpu().numpy()))
+
+    def vision_inputs(self, images: torch.Tensor | Sequence[torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """pixel_values / image_grid_thw (one row per image) of uint8 (3, H, W) sources as the
+        pipeline's processor makes them from the PIL images it holds (:241)."""
+        images = [images] if isinstance(images, torch.Tensor) else list(images)
+        vision = self.processor().image_processor(images=[self.shown(im) for im in images],
+                                                  return_tensors="pt")
         return {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
+
+    def vision_tokens(self, grid: torch.Tensor) -> list[int]:
+        """<|image_pad|> tokens per image of image_grid_thw (n, 3), as the processor expands."""
+        merge = self.processor().image_processor.merge_size ** 2
+        return [int(g.prod()) // merge for g in grid.reshape(-1, 3)]
 
     def presentation_ids(self, prompt: PromptBundle, grid: torch.Tensor) -> list[int]:
         """The prompt's ids with its one <|image_pad|> expanded to the source's vision tokens."""
         tok = self.tokenizer(self.spec.encoder(QWEN))
         pad = tok.convert_tokens_to_ids(IMAGE_PAD)
         ids = list(prompt.ids_by_encoder(self.spec.encoder_names)[QWEN])
-        count = int(grid.prod()) // self.processor().image_processor.merge_size ** 2
+        [count] = self.vision_tokens(grid)
         at = ids.index(pad)
         return ids[:at] + [pad] * count + ids[at + 1:]
 
@@ -238,15 +300,10 @@ class QwenEditConditioner(QwenConditioner):
         window = self.spec.encoder(QWEN).max_length - self.drop
         rows = []
         for i, (prompt, item) in enumerate(zip(prompts, media)):
-            if MediaRole.IMAGE not in item:
-                raise InvalidRequestError("a Qwen-Image-Edit prompt is encoded with its source "
-                                          "image", field=f"media[{i}]",
-                                          expected=[MediaRole.IMAGE.value],
-                                          actual=sorted(r.value for r in item))
-            vision = self.vision_inputs(item[MediaRole.IMAGE])
+            vision = self.vision_inputs(self.sources(item, i))
             ids = torch.tensor([self.presentation_ids(prompt, vision["image_grid_thw"])])
             if ids.shape[1] - self.drop > window:
-                raise LimitExceededError("the prompt with its source image's vision tokens is "
+                raise LimitExceededError("the prompt with its source images' vision tokens is "
                                          "longer than the encoder window",
                                          field=f"prompts[{i}].{QWEN}", expected=f"<= {window}",
                                          actual=ids.shape[1] - self.drop)
@@ -263,6 +320,74 @@ class QwenEditConditioner(QwenConditioner):
             embeds[i, :row.shape[0]] = row
             keep[i, :row.shape[0]] = 1
         return Condition({"prompt_embeds": embeds, "prompt_mask": keep})
+
+
+class QwenEditPlusConditioner(QwenEditConditioner):
+    """QwenImageEditPlusPipeline's prompt encoding: each prompt shown with its ordered source
+    images (roles image, image_2, image_3: SOURCE_IMAGE_ROLES), each as a "Picture i: " vision
+    block before the prompt (:239-252), the VL reading each source at the pipeline's condition
+    size (CONDITION_AREA at its aspect ratio, :699-705). The ids are made once per prompt in the
+    template without blocks; the blocks of a request's images are spliced in after the `drop`
+    template tokens, which is the pipeline's tokenization: checked for the template at load and
+    for each prompt where it is tokenized."""
+
+    media_roles = SOURCE_IMAGE_ROLES
+
+    def check_template(self, tok) -> None:
+        super().check_template(tok)
+        prefix = self.template.split("{}")[0]
+        joined = tok(prefix + PICTURE.format(1))["input_ids"]
+        if joined != tok(prefix)["input_ids"] + tok(PICTURE.format(1))["input_ids"]:
+            raise ConfigError("the tokenizer merges the template's user header with a picture "
+                              "block", field="weights_path.tokenizer",
+                              expected=tok(prefix)["input_ids"] + tok(PICTURE.format(1))[
+                                  "input_ids"], actual=joined)
+
+    def tokenize_one(self, encoder: EncoderSpec, text: str,
+                     field: str) -> tuple[tuple[int, ...], bool]:
+        ids, cut = super().tokenize_one(encoder, text, field)
+        tok = self.tokenizer(encoder)
+        block = tok(PICTURE.format(1))["input_ids"]
+        shown = tok(self.template.format(PICTURE.format(1) + text))["input_ids"]
+        if shown != list(ids[:self.drop]) + block + list(ids[self.drop:]):
+            raise InvalidRequestError("the prompt's first characters tokenize together with "
+                                      "the template's user header, so its ids would not be "
+                                      "the pipeline's after the picture blocks (e.g. a leading "
+                                      "line break)", field=field, expected="a prompt that "
+                                      "starts a new token", actual=text[:32])
+        return ids, cut
+
+    def sources(self, item: Mapping[MediaRole, torch.Tensor], i: int) -> list[torch.Tensor]:
+        present = [r for r in SOURCE_IMAGE_ROLES if r in item]
+        if not present or present != list(SOURCE_IMAGE_ROLES[:len(present)]) or \
+                set(item) - set(present):
+            raise InvalidRequestError("a Qwen-Image-Edit-Plus prompt is encoded with its "
+                                      "ordered source images (image, then image_2, image_3)",
+                                      field=f"media[{i}]",
+                                      expected=[r.value for r in SOURCE_IMAGE_ROLES],
+                                      actual=sorted(r.value for r in item))
+        return [item[r] for r in present]
+
+    def shown(self, image: torch.Tensor):
+        """The source resized to its condition size as the pipeline resizes it for the VL
+        (VaeImageProcessor.resize: PIL, lanczos, :705); the VAE reads the source as given."""
+        from diffusers.image_processor import VaeImageProcessor
+        height, width = calculate_dimensions(CONDITION_AREA, int(image.shape[1]),
+                                             int(image.shape[2]))
+        return VaeImageProcessor(vae_scale_factor=16).resize(super().shown(image), height, width)
+
+    def presentation_ids(self, prompt: PromptBundle, grid: torch.Tensor) -> list[int]:
+        """The prompt's ids with one "Picture i: " block per image of image_grid_thw (n, 3)
+        after the template's user header, each <|image_pad|> expanded to its vision tokens."""
+        tok = self.tokenizer(self.spec.encoder(QWEN))
+        pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        ids = list(prompt.ids_by_encoder(self.spec.encoder_names)[QWEN])
+        blocks = []
+        for i, count in enumerate(self.vision_tokens(grid)):
+            block = tok(PICTURE.format(i + 1))["input_ids"]
+            at = block.index(pad)
+            blocks += block[:at] + [pad] * count + block[at + 1:]
+        return ids[:self.drop] + blocks + ids[self.drop:]
 
 
 class QwenImageDenoiser:
@@ -299,8 +424,10 @@ def unpack(tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 class QwenImageCodec(OneLatentCodec):
     latent_name, label = "image_latent", "Qwen-Image"     # packed tokens (B, L, 4 z)
 
-    def __init__(self, vae: QwenImageVAE, in_channels: int):
+    def __init__(self, vae: QwenImageVAE, in_channels: int,
+                 source_roles: tuple[MediaRole, ...] = (MediaRole.IMAGE,)):
         self.vae, self.in_channels = vae, in_channels
+        self.source_roles = source_roles      # an edit's source images, in order
 
     def grid(self, sampling: SamplingSpec) -> tuple[int, int]:
         multiple = 2 * self.vae.scale_factor
@@ -321,12 +448,12 @@ class QwenImageCodec(OneLatentCodec):
         rows, cols = self.grid(sampling)
         return (rows * cols, self.in_channels)
 
-    def source_grid(self, image: torch.Tensor) -> tuple[int, int]:
+    def source_grid(self, image: torch.Tensor, field: str = "media.image") -> tuple[int, int]:
         """The packed grid of an edit's source image: uint8 (3, H, W) at the size the pipeline
         would resize it to (`edit_source_size`); any other size is refused, never resized."""
         if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
             raise MediaFormatError("an edit's source image is uint8 (3, H, W) RGB",
-                                   field="media.image", expected="uint8 (3, H, W)",
+                                   field=field, expected="uint8 (3, H, W)",
                                    actual=f"{image.dtype} {tuple(image.shape)}")
         height, width = int(image.shape[1]), int(image.shape[2])
         expected = edit_source_size(height, width)
@@ -334,27 +461,30 @@ class QwenImageCodec(OneLatentCodec):
             raise MediaFormatError("Qwen-Image-Edit takes the source image at the size its "
                                    "pipeline resizes it to (about 1024 x 1024 pixels at its "
                                    "aspect ratio, sides multiples of 32); nothing is resized",
-                                   field="media.image", expected=f"(3, {expected[0]}, "
+                                   field=field, expected=f"(3, {expected[0]}, "
                                    f"{expected[1]})", actual=f"{tuple(image.shape)}")
         multiple = 2 * self.vae.scale_factor
         return height // multiple, width // multiple
 
     def encode_media(self, modules, sampling, media) -> MediaCondition:
-        extra = sorted(r.value for r in media if r is not MediaRole.IMAGE)
-        if extra:
-            raise InvalidRequestError("Qwen-Image takes a source image (edit) or no media",
-                                      field="media", expected=[MediaRole.IMAGE.value],
-                                      actual=extra)
+        taken = [r for r in self.source_roles if r in media]
+        if set(media) - set(taken) or taken != list(self.source_roles[:len(taken)]):
+            raise InvalidRequestError("Qwen-Image takes its source image(s) in order (edit) or "
+                                      "no media", field="media",
+                                      expected=[r.value for r in self.source_roles],
+                                      actual=sorted(r.value for r in media))
         rows, cols = self.grid(sampling)
-        if MediaRole.IMAGE not in media:
+        if not taken:
             return MediaCondition(inputs={"img_shapes": torch.tensor([[[1, rows, cols]]])},
                                   key=(rows, cols))
-        source = media[MediaRole.IMAGE]
-        src_rows, src_cols = self.source_grid(source)
-        packed = pack(self.vae.encode(modules["vae"], source[None]))
-        shapes = torch.tensor([[[1, rows, cols], [1, src_rows, src_cols]]])
+        # each source VAE-encoded and packed on its own, the tokens concatenated in order, one
+        # img_shapes entry each (pipeline_qwenimage_edit_plus.py:469-491, :753-761)
+        grids = [self.source_grid(media[r], f"media.{r.value}") for r in taken]
+        packed = torch.cat([pack(self.vae.encode(modules["vae"], media[r][None]))
+                            for r in taken], dim=1)
+        shapes = torch.tensor([[[1, rows, cols], *[[1, r, c] for r, c in grids]]])
         return MediaCondition(inputs={"img_shapes": shapes, SOURCE_LATENTS: packed},
-                              key=(rows, cols, src_rows, src_cols))
+                              key=(rows, cols, *grids))
 
     def decode(self, latent_name: str, modules: Mapping[str, nn.Module], latent: torch.Tensor,
                sampling: SamplingSpec):
@@ -365,18 +495,25 @@ class QwenImageCodec(OneLatentCodec):
 
 
 class QwenImageFamily(CheckpointFamily):
-    """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512) and QwenImageEditPipeline
-    ones (Qwen-Image-Edit: a `processor` component, the edit task only)."""
+    """QwenImagePipeline checkpoints (Qwen-Image, Qwen-Image-2512), QwenImageEditPipeline ones
+    (Qwen-Image-Edit: a `processor` component, the edit task only) and QwenImageEditPlusPipeline
+    ones (Qwen-Image-Edit-2509: the same components, presented as its pipeline presents 1 to 3
+    ordered source images; the class is all that tells the two edit presentations apart)."""
 
     entry_name = "qwen_image"
     template, drop = T2I_TEMPLATE, T2I_DROP
     edit_template, edit_drop = EDIT_TEMPLATE, EDIT_DROP
+    edit_plus_template, edit_plus_drop = EDIT_PLUS_TEMPLATE, EDIT_PLUS_DROP
 
     def __init__(self, root: str | Path, options: Mapping | None = None):
         super().__init__(root, options)
         self.edits = "processor" in self.index        # the vision input of the source image
-        if self.edits:
+        self.edit_plus = self.edits and self.pipeline_class == EDIT_PLUS_PIPELINE
+        if self.edit_plus:
+            self.template, self.drop = self.edit_plus_template, self.edit_plus_drop
+        elif self.edits:
             self.template, self.drop = self.edit_template, self.edit_drop
+        sources = SOURCE_IMAGE_ROLES if self.edit_plus else (MediaRole.IMAGE,)
         transformer = read_json(self.root, "transformer", "config.json")
         self.schedule = FlowSchedule(self.root)
         vae = QwenImageVAE(self.root)
@@ -399,19 +536,21 @@ class QwenImageFamily(CheckpointFamily):
             name="qwen_image", io_spec=image_io_spec(Layout.TOKENS),
             tasks={Task.EDIT: (MediaRole.IMAGE,)} if self.edits else {Task.T2I: ()},
             media_encoders=("vae",) if self.edits else (),
+            optional_media={Task.EDIT: sources[1:]} if self.edit_plus else {},
             time_convention=TimeConvention.NOISE_LEVEL, model_time_scale=1000.0,
             guidance=QWEN_IMAGE_GUIDANCE, transformers=("transformer",),
             lora_targets={"transformer": QWEN_IMAGE_LORA_TARGETS}, encoders=encoders,
             decoders={"image_latent": ("vae",)},
             sampling_defaults={"height": side, "width": side, "num_frames": 1})
-        self.conditioner = (QwenEditConditioner if self.edits else QwenConditioner)(
-            self.spec, self.root, self.template, self.drop)
+        conditioner = QwenEditPlusConditioner if self.edit_plus else \
+            QwenEditConditioner if self.edits else QwenConditioner
+        self.conditioner = conditioner(self.spec, self.root, self.template, self.drop)
         # the template check needs the tokenizer: at load where the folder ships one; an
         # architecture description (no tokenizers) is checked where its tokenizer is first loaded
         if (self.root / encoders[0].tokenizer).is_dir():
             self.conditioner.tokenizer(encoders[0])
         self.denoiser = QwenImageDenoiser()
-        self.codec = QwenImageCodec(vae, packed)
+        self.codec = QwenImageCodec(vae, packed, sources)
 
     def sigmas(self, sampling: SamplingSpec) -> torch.Tensor:
         n = sampling.num_steps
@@ -438,7 +577,8 @@ class QwenImageFamily(CheckpointFamily):
         media = super().validate_request(request, limits)
         with request_errors(request.request_id):
             self.sigmas(request.sampling)
-            if MediaRole.IMAGE in media:         # an edit's source image, before any work
-                check_source_image(media[MediaRole.IMAGE], limits)
-                self.codec.source_grid(media[MediaRole.IMAGE])
+            for role in self.codec.source_roles:     # an edit's source images, before any work
+                if role in media:
+                    check_source_image(media[role], limits, f"media.{role.value}")
+                    self.codec.source_grid(media[role], f"media.{role.value}")
         return media

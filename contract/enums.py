@@ -56,6 +56,13 @@ class MediaRole(str, Enum):
     FIRST_FRAME = "first_frame"
     LAST_FRAME = "last_frame"
     REFERENCE = "reference"
+    IMAGE_2 = "image_2"          # a multi-image edit's second source image ("Picture 2")
+    IMAGE_3 = "image_3"          # ... and its third
+
+
+# An edit's ordered source images: `image` first, then image_2, image_3 (a multi-image edit
+# takes a prefix of these; more than three is not a request a family can take).
+SOURCE_IMAGE_ROLES = (MediaRole.IMAGE, MediaRole.IMAGE_2, MediaRole.IMAGE_3)
 
 
 class SamplerKind(str, Enum):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, AsyncIterator, Sequence
 from pydantic import ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo
 from pydantic import field_validator, model_validator
 
-from contract.enums import SamplerKind, Task
+from contract.enums import SOURCE_IMAGE_ROLES, SamplerKind, Task
 from contract.errors import (FieldValidationError, InvalidRequestError, LimitExceededError,
                              MalformedBodyError)
 from contract.request import (MAX_METADATA_CHARS, MAX_SEED, BranchSpec, FrozenModel,
@@ -94,8 +94,9 @@ class HTTPRolloutRequest(FrozenModel):
     metadata: tuple[PromptMetadata, ...] | None = Field(
         None, description="One flat object per prompt, passed to the scorers with it (e.g. "
                           "{\"ocr_text\": \"OPEN\"}); scalar values only, bounded in size.")
-    images: tuple[str, ...] | None = Field(
-        None, description="One source image per prompt for a task that takes one (edit): "
+    images: tuple[str | tuple[str, ...], ...] | None = Field(
+        None, description="One source image per prompt for a task that takes one (edit), or an "
+                          "ordered list of 1 to 3 (a multi-image edit's sources, in order): "
                           "base64 of a PNG / JPEG / WebP file, 8-bit RGB, within max_width x "
                           "max_height; decoded at the ingress, never resized or converted.")
     media: tuple[HTTPConditionMedia, ...] | None = Field(
@@ -133,6 +134,30 @@ class HTTPRolloutRequest(FrozenModel):
                                          expected=f"<= {bound}", actual=len(value))
         # a JSON array reaches this hook as a list; strict validation after it wants the tuple
         return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _check_image_lists(cls, value: Any) -> Any:
+        """An entry of `images` is one image or an ordered list of 1..len(SOURCE_IMAGE_ROLES)
+        images (the media roles an edit's sources take); any other length is refused by it."""
+        if not isinstance(value, (list, tuple)):
+            return value
+        out = []
+        for i, entry in enumerate(value):
+            if isinstance(entry, (list, tuple)):
+                if len(entry) > len(SOURCE_IMAGE_ROLES):
+                    raise LimitExceededError("too many source images for one prompt",
+                                             field=f"images[{i}]",
+                                             expected=f"<= {len(SOURCE_IMAGE_ROLES)}",
+                                             actual=len(entry))
+                if not entry:
+                    raise InvalidRequestError("a prompt's list of source images is empty",
+                                              field=f"images[{i}]",
+                                              expected=f"1..{len(SOURCE_IMAGE_ROLES)}",
+                                              actual=0)
+                entry = tuple(entry)
+            out.append(entry)
+        return tuple(out)
 
     @field_validator("prompts")
     @classmethod

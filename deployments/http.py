@@ -25,7 +25,7 @@ from contract.errors import (MethodNotAllowedError, MisdirectedRequestError, Not
                              UnsupportedMediaTypeError)
 from contract.http import (HTTPRolloutRequest, error_field, first_error, parse_rollout_body,
                            read_bounded_body)
-from deployments.source_images import decode_source_image
+from deployments.source_images import decode_source_image, decode_source_images
 
 logger = logging.getLogger("ray.serve")
 
@@ -128,10 +128,10 @@ class HTTPFront:
                 raise InvalidRequestError(f"task {task.value} takes one source image per prompt",
                                           field="images", expected=len(payload.prompts),
                                           actual=None)
-            return [(MediaInput(Modality.IMAGE, MediaRole.IMAGE,
-                                decode_source_image(text, f"images[{i}]",
-                                                    self.config.limits)),)
-                    for i, text in enumerate(payload.images)]
+            # one image, or an ordered list a multi-image edit takes (its optional roles)
+            sources = (MediaRole.IMAGE, *self.family.spec.optional_media.get(task, ()))
+            return [decode_source_images(entry, f"images[{i}]", self.config.limits, sources)
+                    for i, entry in enumerate(payload.images)]
         if roles:
             raise InvalidRequestError(f"task {task.value} needs condition media, which an HTTP "
                                       "request cannot carry (use the handle API)", field="media",

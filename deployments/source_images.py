@@ -1,6 +1,8 @@
 """Condition images from the HTTP body: an edit's source image (`images`, one per prompt) and a
 video task's keyframes / ordered references (`media[i].first_frame`, `.last_frame`,
-`.reference[j]`), each a base64 string decoded with its bounds checked before the pixels are: the string's length, the encoded bytes,
+`.reference[j]`), each a base64 string (`images[i]` may be an ordered list of them for a
+multi-image edit: `decode_source_images`) decoded with its bounds checked before the pixels
+are: the string's length, the encoded bytes,
 the format (PNG, JPEG or WebP by its magic bytes, as Pillow identifies it), 8-bit RGB mode, and
 the width x height from the header against the graph's RequestLimits (max_width, max_height).
 Nothing is converted, resized or cropped: a mode or size the family cannot take is a typed 4xx
@@ -12,11 +14,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from contract import LimitExceededError, MediaFormatError, RequestLimits
+from contract import (LimitExceededError, MediaFormatError, MediaInput, MediaRole, Modality,
+                      RequestLimits)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 MODE = "RGB"                        # 8-bit, 3 channels: what the families encode
@@ -64,3 +68,19 @@ def decode_source_image(text: str, field: str, limits: RequestLimits) -> torch.T
             raise MediaFormatError("the image data cannot be decoded", field=field,
                                    expected=list(FORMATS), actual=image.format) from None
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
+
+
+def decode_source_images(entry: str | Sequence[str], field: str, limits: RequestLimits,
+                         roles: Sequence[MediaRole]) -> tuple[MediaInput, ...]:
+    """One prompt's `images` entry -> its source images as MediaInputs of `roles`, in order (one
+    string: the first role; a list: one role each, a multi-image edit's image, image_2,
+    image_3). More images than the roles the family's task takes is a LimitExceededError naming
+    the entry, before any image is decoded."""
+    texts = [(field, entry)] if isinstance(entry, str) else \
+        [(f"{field}[{j}]", text) for j, text in enumerate(entry)]
+    if len(texts) > len(roles):
+        raise LimitExceededError("more source images than the family's task takes for one "
+                                 "prompt", field=field, expected=f"<= {len(roles)}",
+                                 actual=len(texts))
+    return tuple(MediaInput(Modality.IMAGE, role, decode_source_image(text, where, limits))
+                 for role, (where, text) in zip(roles, texts))

@@ -124,3 +124,10 @@ def qwen_image_edit_parts(seed: int) -> Parts:
     parts = qwen_image_parts(seed)
     processor = qwen_image_edit_processor(parts.components["tokenizer"])
     return Parts(components={**parts.components, "processor": processor})
+
+
+def qwen_image_edit_plus_parts(seed: int) -> Parts:
+    """QwenImageEditPlusPipeline layout: exactly Qwen-Image-Edit's components (the published
+    Qwen-Image-Edit-2509 ships the same classes and configs); only the pipeline that saves
+    them, and so how its source images are presented, differs."""
+    return qwen_image_edit_parts(seed)

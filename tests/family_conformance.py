@@ -266,7 +266,9 @@ class FamilyChecks:
         x = initial_noise(sampling.seeds, fam.codec.state_shape(sampling))
         rows = x.shape[0]
         sigma = torch.full((rows,), 0.6)
-        cond = learner.encode([self.probe_request(fam, sampling).prompt]).repeat_rows([rows])
+        # with the request's media: a conditioner that reads them (Qwen-Image-Edit's) needs them
+        cond = learner.encode([self.probe_request(fam, sampling).prompt],
+                              [media]).repeat_rows([rows])
         inputs = learner.forward_inputs([sampling], [media], [rows])
         guidance = learner.guidance(rows, 1.0, None)
         with torch.no_grad():

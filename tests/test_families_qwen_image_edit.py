@@ -37,8 +37,9 @@ class TestQwenImageEdit(EditConformance):
 
     # the components are tiny Qwen-Image's: tests/test_families_qwen_image.py::TestQwenImage
     # checks the task-independent parts on them (LoRA targets and file, stage loading); the
-    # ids are checked with their vision tokens below. Edit Plus (its multi-image presentation)
-    # is not served, so the class check over these components is not run.
+    # ids are checked with their vision tokens below. QwenImageEditInpaintPipeline and
+    # QwenImageLayeredPipeline take these components too and are not served, so the class
+    # check over them is not run (Edit Plus: tests/test_families_qwen_image_edit_plus.py).
     test_token_ids_are_the_tokenizers_and_reach_the_encoders = None
     test_every_pipeline_class_over_the_components_loads = None
     test_every_declared_lora_target_exists = None

@@ -103,6 +103,8 @@ def test_an_edit_carries_its_source_image_to_the_rollout_unchanged(front, fmt):
     (edit(images=[encoded(picture(), fmt="GIF")]), "images[0]", None),   # not a format taken
     (edit(images=[encoded(picture(32, 272))]), "images[0]", "272 x 32"),  # over max_width
     (edit(images=[encoded(picture()), encoded(picture())]), "images", 2),
+    (edit(images=[[encoded(picture()), encoded(picture())]]), "images[0]", 2),  # FLUX takes 1
+    (edit(images=[[encoded(picture())] * 4]), "images[0]", 4),      # beyond any edit's roles
     ({"prompts": [CAPTION], "images": [encoded(picture())]}, "images", 1),  # t2i takes none
 ])
 def test_bad_source_images_are_typed_4xx_naming_the_field_before_any_rollout(front, body,
