@@ -6,13 +6,22 @@ code in-process, same batch, measured side by side (alternating) in one run.
 graph_overhead = median end-to-end time through the graph (ingress handle call + fetching the
 outputs from the object store) / median time of encoder -> strategy.generate -> decode -> score
 in this process with the classes the deployments use (TextEncoderServer, DiffusionStrategy,
-DecoderServer._decode, the registry's scorer + RewardCombiner). Both run one torch thread, as a
+DecoderServer._decode, the registry's scorer + RewardCombiner; the encoder with the graph's
+prompt-embedding cache, as its stage has it). Both run one torch thread, as a
 replica with num_cpus < 1 does.
 fixed_cost_per_request_ms = graph median - in-process median, and `breakdown`: where it goes,
 from each result's metrics (the ingress's wall seconds per hop, `ingress_*_s`, beside the
 stages' own compute seconds inside their replicas) and the caller's handle call / fetch.
 `variants`: the same with the scorer's micro-batch wait at the old 10 ms (a lone request waited
-it out); `at_training_size`: the same deployed graph at a group of 16 x 20 steps.
+it out), and with the encoder's and decoders' micro-batch wait at 2 ms instead of 0;
+`at_training_size`: the same deployed graph at a group of 16 x 20 steps.
+`burst`: 8 concurrent guided requests with fresh prompts (16 encoder calls: prompts and
+negatives): their wall time and the encoder forwards / decoder batch rows they took -- what the
+encoder / decoder micro-batch waits buy under concurrency.
+`rpc_floor`: the Serve handle round trip to an empty deployment (from this process, as the
+caller reaches the ingress; from a replica, as the ingress reaches a stage) and a Ray actor call
+from a replica (the policy store, the object holder), medians in ms; `critical_path` counts those
+hops on one request's path, so `floor_ms` is the part of the fixed cost that is RPC alone.
 ingress_bytes = tensor bytes that passed through the ingress (its `stats()`), next to the
 bytes of the artifacts (and trajectory) delivered to the caller.
 Writes bench/results/graph.json + graph.png.
@@ -44,7 +53,7 @@ def graph_config(steps: int) -> dict:
             "rollout_stage": {"num_cpus": 0.5},
             "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
                          "inputs": ["image"], "reward": {"policy": "required"}}],
-            "limits": {"max_prompts": 4, "max_samples_per_prompt": 16, "max_steps": max(steps, 20),
+            "limits": {"max_prompts": BURST, "max_samples_per_prompt": 16, "max_steps": max(steps, 20),
                        "max_height": 32, "max_width": 32, "max_frames": 1},
             "policy_store": "graph_bench_store"}
 
@@ -58,7 +67,11 @@ class InProcess:
         from rewards.combine import RewardCombiner
         from rewards.registry import build_scorer
         from rollout.strategy import build_strategy
-        self.encoder = TextEncoderServer(config.adapter, config.weights_path, 1, "cpu")
+        # the graph's encoder stage with its config: the same prompt-embedding cache
+        enc = config.encoder
+        self.encoder = TextEncoderServer(config.adapter, config.weights_path, enc.etp,
+                                         enc.device, enc.dtype, config.adapter_options,
+                                         enc.prompt_cache_bytes)
         self.strategy = build_strategy(config.rollout, config.limits)
         self.decoder = DecoderServer(config.adapter, config.weights_path, "image_latent",
                                      config.http.max_preview_pixels)
@@ -86,6 +99,111 @@ class InProcess:
         t4 = time.perf_counter()
         return image, report, {"encode": t1 - t0, "rollout": t2 - t1, "decode": t3 - t2,
                                "score": t4 - t3}
+
+
+class Empty:
+    """An empty deployment: the Serve handle round trip and nothing else."""
+
+    async def ping(self, x=None):
+        return x
+
+
+class EmptyActor:
+    def ping(self, x=None):
+        return x
+
+
+class Relay:
+    """Calls the empty deployment / a plain actor from inside a replica, as the ingress and the
+    stages do: median round trips in seconds."""
+
+    def __init__(self, inner):
+        import ray
+        self.inner = inner
+        self.actor = ray.remote(EmptyActor).options(num_cpus=0).remote()
+
+    async def hops(self, n: int) -> dict[str, float]:
+        await self.inner.ping.remote()
+        await self.actor.ping.remote()
+        serve_s, actor_s = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await self.inner.ping.remote()
+            serve_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await self.actor.ping.remote()
+            actor_s.append(time.perf_counter() - t0)
+        return {"serve": statistics.median(serve_s), "actor": statistics.median(actor_s)}
+
+
+def rpc_floor(n: int = 50) -> dict:
+    """Round trips with nothing behind them: caller -> replica, replica -> replica, replica ->
+    actor (medians, ms), deployed beside the graph's replicas on the same machine."""
+    from ray import serve
+    opts = {"ray_actor_options": {"num_cpus": 0.1}}
+    empty = serve.deployment(Empty, name="Empty", **opts).bind()
+    handle = serve.run(serve.deployment(Relay, name="Relay", **opts).bind(empty),
+                       name="rpc_floor", route_prefix=None)
+    try:
+        inner = serve.get_deployment_handle("Empty", "rpc_floor")
+        inner.ping.remote().result()
+        caller = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            inner.ping.remote().result()
+            caller.append(time.perf_counter() - t0)
+        inside = handle.hops.remote(n).result()
+    finally:
+        serve.delete("rpc_floor")
+    return {"caller_to_replica_ms": statistics.median(caller) * 1e3,
+            "replica_to_replica_ms": inside["serve"] * 1e3,
+            "replica_to_actor_ms": inside["actor"] * 1e3, "calls": n}
+
+
+# sequential round trips on one 1 x 4 x 8 request's critical path (tiny_t2i, one scorer with a
+# prompt check, no CFG): which kind each is (deployments/ingress.py, rollout.py, decoder.py)
+CRITICAL_PATH = {
+    "caller_to_replica": ("caller -> ingress.rollout",),
+    "replica_to_replica": ("ingress -> scorer.check_prompts", "ingress -> encoder.encode",
+                           "ingress -> rollout.rollout", "ingress -> decoder.decode",
+                           "ingress -> scorer.score"),
+    "replica_to_actor": ("rollout -> policy_store.latest_version", "rollout -> holder.hold",
+                         "decoder -> holder.hold", "ingress -> holder.release"),
+}
+
+
+def floor_of(floor: dict) -> dict:
+    per = {kind: len(hops) * floor[f"{kind}_ms"] for kind, hops in CRITICAL_PATH.items()}
+    return {"hops": {k: list(v) for k, v in CRITICAL_PATH.items()}, "ms_by_kind": per,
+            "floor_ms": sum(per.values())}
+
+
+BURST = 8
+
+
+def burst(handle, make, rounds: int = 3) -> dict:
+    """BURST concurrent guided requests with prompts the encoder has not seen (so each encodes:
+    BURST prompts + their negatives); wall time and the encoder's forwards / rows per round."""
+    from ray import serve
+
+    from deployments.client import materialize
+    encoder = serve.get_deployment_handle("TextEncoder", APP)
+    walls, forwards, rows = [], [], []
+    for r in range(rounds):
+        before = encoder.cache_stats.remote().result()
+        t0 = time.perf_counter()
+        results = handle.rollout.remote([make(r * BURST + i) for i in range(BURST)]
+                                        ).result(timeout_s=600)
+        walls.append(time.perf_counter() - t0)
+        for result in results:
+            materialize(result)
+        handle.release.remote([x.request_id for x in results]).result()
+        after = encoder.cache_stats.remote().result()
+        forwards.append(after["forwards"] - before["forwards"])
+        rows.append(after["forward_rows"] - before["forward_rows"])
+    return {"requests": BURST, "encoder_calls": 2 * BURST, "wall_s": statistics.median(walls),
+            "encoder_forwards": statistics.median(forwards),
+            "encoder_forward_rows": statistics.median(rows)}
 
 
 HOP_KEYS = ("ingress_check_s", "ingress_rollout_s", "rollout_stage_s", "run_time_s",
@@ -123,7 +241,7 @@ def _ratio(handle, local: InProcess, loop, request, iters: int) -> dict:
 
 
 def measure(config, iters: int, request, local: InProcess, loop,
-            larger_requests: dict | None = None) -> dict:
+            larger_requests: dict | None = None, make_burst=None) -> dict:
     """Deploy `config`; alternate graph and in-process calls of the same request; medians."""
     from ray import serve
 
@@ -148,12 +266,13 @@ def measure(config, iters: int, request, local: InProcess, loop,
         ingress = handle.stats.remote().result()
         larger = {name: _ratio(handle, local, loop, make, iters // 2)
                   for name, make in (larger_requests or {}).items()}
+        bursts = burst(handle, make_burst) if make_burst is not None else None
     finally:
         serve.delete(APP)
     g, l = statistics.median(graph_s), statistics.median(local_s)
     med = {k: statistics.median(v) for k, v in hops.items()}
     stage_compute = (med["run_time_s"] + med["decode_image_latent_s"])
-    return {"deploy_s": round(deploy_s, 2), "larger_requests": larger,
+    return {"deploy_s": round(deploy_s, 2), "larger_requests": larger, "burst": bursts,
             "in_process_stage_median_s": {k: statistics.median(s[k] for s in stages)
                                           for k in stages[0]},
             "graph_s": {"median": g, "min": min(graph_s), "max": max(graph_s)},
@@ -201,12 +320,25 @@ def main(argv: list[str] | None = None) -> int:
             "image_latent", "image"), sampling=SamplingSpec(
                 num_steps=steps, seeds=tuple(range(samples))))
 
+    def guided(index: int) -> RolloutRequest:      # a fresh caption, CFG: prompt + negative
+        from synthetic.shapes import ALL_COMBINATIONS, ImageSpec, caption
+        text = caption(ImageSpec(*ALL_COMBINATIONS[(index + 1) % len(ALL_COMBINATIONS)]))
+        [fresh] = family.conditioner.tokenize([text])
+        return RolloutRequest(prompt=fresh, task=Task.T2I, requested_artifacts=(
+            "image_latent", "image"), sampling=SamplingSpec(
+                num_steps=args.steps, guidance_scale=4.0, seeds=tuple(range(args.samples))))
+
     default = load_graph_config(graph_config(args.steps))
     variants = {"default": default}
     # the scorer stage's micro-batch wait as it was (10 ms): one request alone waited it out
     old = graph_config(args.steps)
     old["scorers"][0]["batch_wait_timeout_s"] = 0.01
     variants["scorer_batch_wait_10ms"] = load_graph_config(old)
+    # the encoder's and decoders' micro-batch wait at 2 ms (the default is 0)
+    waiting = graph_config(args.steps)
+    waiting["encoder"] = {"batch_wait_timeout_s": 0.002}
+    waiting["decoder"] = {"batch_wait_timeout_s": 0.002}
+    variants["encoder_decoder_batch_wait_2ms"] = load_graph_config(waiting)
     ray.init(address="local", num_cpus=8, object_store_memory=256 * 2**20,
              include_dashboard=False, log_to_driver=False, namespace="omni-bench")
     serve.start(proxy_location="Disabled")
@@ -217,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, config in variants.items():
             # the same fixed cost against a training-sized request (a group of 16, 20 steps)
             larger = {"16x20": lambda: request(16, 20)} if name == "default" else None
-            runs[name] = measure(config, args.iters, request, local, loop, larger)
+            bursting = guided if name != "scorer_batch_wait_10ms" else None
+            runs[name] = measure(config, args.iters, request, local, loop, larger, bursting)
+        floor = rpc_floor()
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -229,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch": {"prompts": 1, "samples_per_prompt": args.samples, "num_steps": args.steps,
                   "height": 32, "width": 32},
         "iters": args.iters, "torch_threads": 1,
+        "in_process_encoder": "the encoder stage's class with the graph's prompt-embedding "
+                              "cache (the repeated prompt is a hit in both)",
         **{k: main_run[k] for k in ("deploy_s", "graph_s", "in_process_s", "graph_overhead")},
         "graph_overhead_goal": 1.15,
         "fixed_cost_per_request_ms": main_run["graph_minus_in_process_ms"],
@@ -238,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                       if k.endswith("_ms") and k != "graph_minus_in_process_ms"},
         "variants": {name: {"graph_overhead": r["graph_overhead"],
                             "fixed_cost_per_request_ms": r["graph_minus_in_process_ms"],
-                            "score_hop_ms": r["hops_ms"]["score_s"]}
+                            "score_hop_ms": r["hops_ms"]["score_s"], "burst": r["burst"]}
                      for name, r in runs.items()},
+        "rpc_floor": floor, "critical_path": floor_of(floor),
         "ingress_bytes": main_run["ingress_bytes"], "ingress_bytes_goal": 0,
         "delivered_bytes_per_call": main_run["delivered_bytes_per_call"],
         "cpu_count": os.cpu_count(), "machine_note": args.note,
@@ -250,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, RESULTS / "graph.png")
     print(json.dumps({k: result[k] for k in ("graph_overhead", "fixed_cost_per_request_ms",
                                              "breakdown", "variants", "at_training_size",
-                                             "ingress_bytes")},
+                                             "rpc_floor", "critical_path", "ingress_bytes")},
                      indent=1))
     return 0
 
@@ -280,11 +417,19 @@ def plot(result: dict, path: Path) -> None:
              "score hop (incl. scoring)": hops["score_s"],
              "caller's fetch": b["caller_fetch_ms"]}
     ax2.barh(list(parts), list(parts.values()), color="C1")
+    crit = result["critical_path"]
+    floor = {f"RPC floor: {len(hops)} x {kind.replace('_', ' ')}": crit["ms_by_kind"][kind]
+             for kind, hops in crit["hops"].items()}
+    ax2.barh(list(floor), list(floor.values()), color="C7")
     ax2.set_xlabel("ms (median)")
-    ax2.set_title("per-hop wall time beside the engine's and the decoder's compute", fontsize=9)
+    ax2.set_title(f"per-hop wall time (fixed cost {result['fixed_cost_per_request_ms']:.0f} ms; "
+                  f"empty-RPC floor {crit['floor_ms']:.0f} ms)", fontsize=9)
     ax2.tick_params(axis="y", labelsize=7)
     names = list(result["variants"])
-    ax3.bar(names, [result["variants"][n]["graph_overhead"] for n in names], color="C0")
+    ax3.bar(range(len(names)), [result["variants"][n]["graph_overhead"] for n in names],
+            color="C0")
+    ax3.set_xticks(range(len(names)), [n.replace("_", " ").replace("batch wait", "\nbatch wait")
+                                       for n in names], fontsize=7)
     ax3.axhline(result["graph_overhead_goal"], color="k", ls="--", lw=1, label="goal")
     ax3.set_ylabel("graph / in-process")
     ax3.set_title(f"ingress tensor bytes: {result['ingress_bytes']} (goal 0)", fontsize=9)

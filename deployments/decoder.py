@@ -109,6 +109,7 @@ class DecoderServer:
         self.max_preview_pixels = max_preview_pixels
         self.metrics = StageMetrics(f"decoder:{latent_name}")
         self.objects = ObjectKeeper(holder=None if objects is None else HolderShards(objects))
+        self.forwards = self.forward_rows = 0      # decodes run, latent rows in them
         self._in_replica = in_serve_replica()   # serve.batch needs one; in-process: no batching
         if self._in_replica:
             self._decode_batch.set_max_batch_size(max_batch_size)
@@ -178,6 +179,8 @@ class DecoderServer:
                                        first.latent.metadata)
                 sampling = first.sampling.model_copy(
                     update={"seeds": tuple(s for c in group for s in c.sampling.seeds)})
+            self.forwards += 1
+            self.forward_rows += sum(rows)
             with self.metrics.track(sum(rows)):
                 t0 = time.perf_counter()
                 produced = await asyncio.to_thread(self._decode, latent, list(first.wanted),
@@ -192,6 +195,10 @@ class DecoderServer:
                 start += n
             return out
         return await run_isolated(list(calls), _DecodeCall.key, run)
+
+    async def batch_stats(self) -> dict[str, int]:
+        """Decodes run (a joint one that raised and its redos included) and their latent rows."""
+        return {"forwards": self.forwards, "forward_rows": self.forward_rows}
 
     def _previews(self, produced: Sequence[MediaArtifact],
                   audio: MediaArtifact | None) -> dict[str, tuple[str, ...]]:
