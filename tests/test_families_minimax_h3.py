@@ -370,9 +370,12 @@ def _etp_rank(rank: int, world: int, port: int, root: str, out: str) -> None:
         text = family.conditioner.encode({QWEN3_VL: sharded}, bundles)
         shown = family.conditioner.encode_presentation(sharded, family.load("processor"),
                                                        bundles[0], [FIRST, LAST])
+        refs = family.conditioner.encode_with_media(      # ref2va's ordered references
+            {QWEN3_VL: sharded}, bundles[:1], [{MediaRole.REFERENCE: tuple(REFERENCES)}])
         q = sharded.get_submodule("model.language_model.layers.0.self_attn.q_proj").weight
         if rank == 0:
             torch.save({"text": dict(text.tensors), "shown": dict(shown.tensors),
+                        "refs": dict(refs.tensors),
                         "q_rows": q.to_local().shape[0] if hasattr(q, "to_local")
                         else q.shape[0]}, out)
     finally:
@@ -391,8 +394,10 @@ def test_qwen3_vl_etp2_equals_unsharded(setup, minimax_root, tmp_path):
     text = family.conditioner.encode(models.encoders, bundles)
     shown = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
                                                    bundles[0], [FIRST, LAST])
+    refs = family.conditioner.encode_presentation(models.encoders[QWEN3_VL], processor,
+                                                  bundles[0], REFERENCES)
     assert got["q_rows"] == 8 * 8 // 2                 # each rank holds half the query heads
-    for ref, name in ((text, "text"), (shown, "shown")):
+    for ref, name in ((text, "text"), (shown, "shown"), (refs, "refs")):
         for key, value in ref.tensors.items():
             assert torch.allclose(got[name][key].float(), value.float(), atol=1e-5), key
 
