@@ -265,8 +265,8 @@ def test_several_images_over_http_reach_the_family_in_order(tiny_checkpoint):
     options = {"max_sequence_length": 80}
     config = load_graph_config({"rollout": {"adapter": "qwen_image", "weights_path": root,
                                             "adapter_options": options},
-                                "limits": {"max_prompts": 2, "max_height": 256,
-                                           "max_width": 256}})
+                                "limits": {"max_prompts": 2, "max_height": 1024,
+                                           "max_width": 1280, "max_body_bytes": 16 << 20}})
     front = GateOnly(config, get_family("qwen_image", root, options))
     first, second = (source_image(i, (48, 80)).permute(1, 2, 0).numpy() for i in range(2))
     body = {"prompts": ["put the left one on the right one"], "task": "edit", "num_steps": 2,
@@ -280,6 +280,15 @@ def test_several_images_over_http_reach_the_family_in_order(tiny_checkpoint):
         assert torch.equal(item.data, torch.from_numpy(pixels).permute(2, 0, 1))
     status, answer, reached = post(front, body | {"images": [encoded(first)]})    # one: a str
     assert reached and [m.role for m in front.reached[-1][0].media] == [MediaRole.IMAGE]
+    # sources at the pipeline's VAE sizes pass the family's own checks as the ingress runs them
+    sources = [source_image(i) for i in range(2)]
+    status, answer, reached = post(front, body | {
+        "images": [[encoded(s.permute(1, 2, 0).numpy()) for s in sources]]})
+    assert reached, answer
+    [request] = front.reached[-1]
+    media = front.family.validate_request(request, config.limits)
+    assert list(media) == [MediaRole.IMAGE, MediaRole.IMAGE_2]
+    assert all(torch.equal(media[r], s) for r, s in zip(ROLES, sources))
     for images, field, expected in (([[encoded(first)] * 4], "images[0]", "<= 3"),
                                     ([[]], "images[0]", "1..3"),
                                     ([[encoded(first), "!!"]], "images[0][1]", None)):
