@@ -78,9 +78,11 @@ class RolloutClient:
     def rollout(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         return self.collect(self.submit(requests))
 
-    def conditions(self, prompts, unconditional: bool = False) -> list:
-        """The encoder stage's encoding of each prompt as ConditionHandles (unfetched)."""
-        return self.ingress.conditions.remote(list(prompts), unconditional).result()
+    def conditions(self, prompts, unconditional: bool = False, media=None) -> list:
+        """The encoder stage's encoding of each prompt as ConditionHandles (unfetched); `media`:
+        per prompt its condition media by role (an edit's source image), or None."""
+        return self.ingress.conditions.remote(list(prompts), unconditional,
+                                              None if media is None else list(media)).result()
 
     async def rollout_async(self, requests: Sequence[RolloutRequest]) -> list[RolloutOutput]:
         """`rollout` from async code: the fetch and the release run in a thread, off the loop."""

@@ -27,7 +27,7 @@ import torch
 
 from adapters.registry import get_family
 from contract import (ConditionHandle, GraphResult, InvalidRequestError, LimitExceededError,
-                      Modality, NonFiniteOutputError, PromptBundle, Representation,
+                      MediaRole, Modality, NonFiniteOutputError, PromptBundle, Representation,
                       RewardReport, RolloutError, RolloutRequest, ScorerFailedError,
                       ScorerOutput, StageOutput, StageUnavailableError, UnscorableInputError, check_requested_artifacts)
 from deployments.config import GraphConfig
@@ -93,16 +93,23 @@ class RolloutGraph(HTTPFront):
             raise failed[0]
         return list(results)
 
-    async def conditions(self, prompts: Sequence[PromptBundle], unconditional: bool = False
+    async def conditions(self, prompts: Sequence[PromptBundle], unconditional: bool = False,
+                         media: Sequence[Mapping[MediaRole, torch.Tensor]] | None = None
                          ) -> list[ConditionHandle]:
         """The encoder stage's encoding of each prompt (or of its unconditional branch) by
         reference, as a rollout hands them out: what a learner without text encoders runs its
-        checks on."""
+        checks on. `media`: per prompt, its canonical condition media (role -> tensor); those
+        the family's conditioner reads itself (an edit's source image) are encoded with the
+        prompt, as `_one` encodes a request's."""
+        if media is not None and len(media) != len(prompts):
+            raise InvalidRequestError("conditions takes one condition-media mapping per prompt",
+                                      field="media", expected=len(prompts), actual=len(media))
         conditioner = self.family.conditioner
         handles = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             prompt = conditioner.unconditional(prompt) if unconditional else prompt
-            ref = await self._taken("encoder", self.encoder.encode.remote([prompt]), "conditions")
+            ref = await self._taken("encoder", self.encoder.encode.remote(
+                [prompt], self._encoder_media(dict(media[i]) if media else {})), "conditions")
             handles.append(ConditionHandle("uncond" if unconditional else "cond",
                                            await self._encoder_version_of(), ref))
         return handles

@@ -21,8 +21,8 @@ import ray
 import torch
 
 from adapters.registry import get_family
-from contract import (Algorithm, PolicyKind, PromptBundle, RolloutError, RolloutOutput,
-                      RolloutRequest, SamplerKind)
+from contract import (Algorithm, ConfigError, PolicyKind, PromptBundle, RolloutError,
+                      RolloutOutput, RolloutRequest, SamplerKind, Task, normalize_media)
 from deployments.client import RolloutClient
 from deployments.failures import RetryBudget
 from trainer import checks
@@ -39,6 +39,12 @@ from trainer.sync import PolicyPublisher
 from trainer.run_state import PromptFeed
 from trainer.learner_worker import CONDITIONED_TASKS
 from trainer.rollout_batch import StageConditions, build_batch, canonical_media
+
+# Tasks whose start-up checks run with the held-out prompts' condition media: an edit's source
+# image conditions the model (shown to the conditioner, its latents a forward input) and no
+# text-only request of an edit folder exists. Keyframe tasks (held state entries) run them on
+# the family's text task.
+CHECKED_WITH_MEDIA = (Task.EDIT,)
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).
@@ -81,6 +87,12 @@ class Trainer:
         self.client = client or RolloutClient.connect(self.graph.app_name)
         self.feed = PromptFeed(cfg, self.family.conditioner.tokenize)
         self.eval_prompts = self.feed.eval_bundles
+        if cfg.task is not None:        # served by the family, its media in every record
+            if cfg.task not in self.family.spec.tasks:
+                raise ConfigError(f"{self.family.name} does not serve this task", field="task",
+                                  expected=[t.value for t in self.family.spec.tasks],
+                                  actual=cfg.task.value)
+            self.feed.check_task_media(cfg.task, self.family.spec.tasks[cfg.task])
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Conditions are the encoder stage's, by reference: no text encoder in this process.
@@ -96,7 +108,9 @@ class Trainer:
         # where the step runs: this process, or a Ray Train worker group (trainer/distributed.py)
         # that holds the model; the encoder stage's probe sets the learners' condition check
         self.learners = build_learners(cfg, self.learner, self.graph, self.run_dir,
-                                       self.client.conditions(self.eval_prompts[:1])[0])
+                                       self.client.conditions(
+                                           self.eval_prompts[:1],
+                                           media=self.check_media(1)[1])[0])
         self.publisher = PolicyPublisher(self.graph.policy_store,
                                          f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}",
                                          kind=self.learners.kind)
@@ -231,15 +245,33 @@ class Trainer:
             report.update(self.check_lora_map())
         return report
 
+    def check_media(self, n: int) -> tuple[list | None, list[dict] | None]:
+        """The first n held-out prompts' condition media for the start-up checks of a task in
+        CHECKED_WITH_MEDIA (an edit's source image): (MediaInputs per prompt, as requests carry
+        them; role -> tensor per prompt, as the graph's stages read them); else (None, None)."""
+        task = self.cfg.task
+        if task not in CHECKED_WITH_MEDIA:
+            return None, None
+        media = (self.feed.eval_extras()[1] or [])[:n]
+        if len(media) < n or any(m is None for m in media):
+            raise ConfigError(f"the {task.value} start-up checks run on the held-out prompts' "
+                              "condition media", field="data.test", expected=f">= {n} records "
+                              "with media", actual=len([m for m in media if m is not None]))
+        return media, [{role: item.data for role, item in
+                        normalize_media(m, task, "startup-check").items()} for m in media]
+
     def check_time_convention(self) -> dict[str, float]:
         """Against the checkpoint's own scheduler where it has one (any weights), else on
         clean latents of real media (the embedded models' trained weights)."""
         prompts = self.eval_prompts[:2]
+        inputs, media = self.check_media(len(prompts))
         sampling = make_requests(self.family, prompts, self.cfg.sampler, 1, seed=0,
-                                 version=None, sampler=SamplerKind.ODE)[0].sampling
+                                 version=None, sampler=SamplerKind.ODE, media=inputs,
+                                 task=self.cfg.task if inputs else None)[0].sampling
         if self.family.pipeline_scheduler(sampling) is not None:
             return self.learners.on_learner(checks.check_time_convention_scheduler, prompts,
-                                            sampling, 0, 1e-5, self.client.conditions(prompts))
+                                            sampling, 0, 1e-5,
+                                            self.client.conditions(prompts, media=media), media)
         x0, probe = probe_clean_latents(self.cfg.prompts, self.family)
         return self.learners.on_learner(checks.check_time_convention, x0, probe, 0.3, 0,
                                         self.client.conditions(probe))
@@ -253,21 +285,25 @@ class Trainer:
                                             scale)
         prompts = self.eval_prompts[:2]
         metadata = (self.feed.eval_extras()[0] or [None])[:2]   # scorers may need it (OCR text)
+        inputs, media = self.check_media(len(prompts))          # an edit's source images
         num_steps = 4
         outs = {}
         for tag, ver in (("probe", version), ("base", "base")):
             reqs = make_requests(self.family, prompts, self.cfg.sampler, 2, seed=7, version=ver,
                                  sampler=SamplerKind.ODE, num_steps=num_steps,
-                                 metadata=metadata if metadata[0] is not None else None)
+                                 metadata=metadata if metadata[0] is not None else None,
+                                 media=inputs, task=self.cfg.task if inputs else None)
             outs[tag] = self.rollout(reqs)
-        states = {tag: build_batch(self.conditions, prompts, o, [r.sampling for r in reqs]).x0
+        states = {tag: build_batch(self.conditions, prompts, o, [r.sampling for r in reqs],
+                                   media).x0
                   for tag, o in outs.items()}
         seeds = [s for r in reqs for s in r.sampling.seeds]
         base = outs["base"]          # the encoder stage's conditions of these prompts
         local = self.learners.on_learner(
             checks.local_ode_with_probe, tensors, scale, prompts, seeds, num_steps,
             reqs[0].sampling, [o.conditions["cond"] for o in base],
-            [o.conditions["uncond"] for o in base] if "uncond" in base[0].conditions else None)
+            [o.conditions["uncond"] for o in base] if "uncond" in base[0].conditions else None,
+            media)
         return checks.check_lora_map(states["probe"], states["base"], local,
                                      self.cfg.checks.lora_map_atol)
 
