@@ -482,6 +482,7 @@ class MiniMaxH3Denoiser:
 
     time_convention = TimeConvention.DATA_PROGRESS
     model_time_scale = 1.0
+    rows_per_call = 1              # each row's packed sequence runs alone (forward's loop)
 
     def __init__(self, codec: MiniMaxH3Codec, schedules: MiniMaxH3Schedules):
         self.codec, self.schedules = codec, schedules

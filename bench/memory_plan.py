@@ -9,8 +9,8 @@ Per process, in bytes (GB = 1e9 B):
                   splits (Linear / Embedding) / etp + the rest (norms) whole; weights in
                   `encoder.dtype`
   rollout         the transformer(s) in `rollout.dtype` (+ the VAE encoder of a task with
-                  condition media); activations: one block's live tensors at
-                  `max_batch_rows` rows (doubled under CFG) of the sampling size's tokens
+                  condition media); activations: one block's live tensors (inference) of the
+                  rows one transformer call runs (below) at the sampling size's tokens
   decoder         each latent's decoder components in `decoder.dtype`
   learner         per worker, DDP (LoRA: the whole model and adapter on each) or FSDP2 (full
                   weights: the fp32 masters, their gradients, AdamW's two moments and the
@@ -19,11 +19,22 @@ Per process, in bytes (GB = 1e9 B):
   controller      0: the trainer process loads no model beside a worker group
                   (trainer/distributed.py)
 Parameters, gradients and optimizer state are exact counts of the built modules; activations
-are an ESTIMATE: per block, rows x tokens x hidden x bytes x a factor (inference 4 + ffn / hidden
-for one block's live tensors; training without checkpointing 16 + 2 ffn / hidden per block,
-with gradient checkpointing one block's worth plus each block's saved input; hidden: the input
-width most of the blocks' Linear weights read, ffn: mlp_width). Fit: the sum
-against 80 GB (H100) and 141 GB (H200), no allowance for the CUDA context or fragmentation.
+are an ESTIMATE of one pre-norm, AdaLN-modulated block with rotary q / k and its MLP (MiniMax-H3's;
+tests/test_memory_plan.py measures the real block's live bytes against it), in units of
+tokens x hidden x bytes per row (hidden H: the input width most of the blocks' Linear weights
+read; A: the attention width; U: the MLP's up projection output, 2 x ffn when gated):
+  inference   the caller's block input + the larger of the attention phase (1 + 6 A / H) and the
+              MLP phase (3 + 2 U / H): one block's live tensors, nothing kept across blocks
+              (the engine runs under inference_mode)
+  training    each block keeps what its backward reads: 21 + 10 A / H + 5 ffn / H (LoRA: frozen
+              base weights) or 29 + 14 A / H + 5 ffn / H (full); with gradient checkpointing
+              each block keeps only its input and one block is recomputed at a time (its saved
+              tensors + the inference peak as backward's transient)
+Rows: a forward's rows (max_batch_rows, micro_batch_size; doubled under CFG) run through the
+transformer at most `rows_per_call` at a time where the family's denoiser declares it
+(MiniMax-H3: 1, each row's packed sequence alone), so only that many rows' block tensors are live;
+without checkpointing every row's kept tensors live until backward. Fit: the sum against 80 GB
+(H100) and 141 GB (H200), no allowance for the CUDA context or fragmentation.
 """
 from __future__ import annotations
 
@@ -71,13 +82,16 @@ def meta_module(root: Path, component: str) -> nn.Module:
 @dataclass(frozen=True)
 class ModuleCount:
     """What a built module holds: parameters (elements), the part a tensor-parallel plan
-    splits (Linear / Embedding weights), its blocks and widths."""
+    splits (Linear / Embedding weights), its blocks and widths (hidden, the MLP's inner width
+    `ffn` and its up projection's output `up`, 2 x ffn when gated; the attention width)."""
 
     params: int
     split_params: int
     blocks: int
     hidden: int
     ffn: int
+    up: int = 0
+    attention: int = 0
 
     @classmethod
     def of(cls, module: nn.Module) -> "ModuleCount":
@@ -97,7 +111,11 @@ class ModuleCount:
         for m in linears:
             weights[m.in_features] = weights.get(m.in_features, 0) + m.weight.numel()
         hidden = max(weights, key=weights.get, default=0)
-        return cls(params, split, blocks, hidden, mlp_width(module, hidden))
+        ffn = mlp_width(module, hidden)
+        gated = any(isinstance(m, nn.Linear) and m.in_features == hidden
+                    and m.out_features == 2 * ffn for m in module.modules()) if ffn else False
+        return cls(params, split, blocks, hidden, ffn, 2 * ffn if gated else ffn,
+                   attention_width(module, hidden))
 
 
 def mlp_width(module: nn.Module, hidden: int) -> int:
@@ -116,6 +134,41 @@ def mlp_width(module: nn.Module, hidden: int) -> int:
     down = [m.in_features for m in linears
             if m.out_features == hidden and m.in_features > hidden and m.in_features in up]
     return max(set(down), key=lambda w: (down.count(w), w)) if down else 0
+
+
+def attention_width(module: nn.Module, hidden: int) -> int:
+    """The attention's inner width (heads x head dim): the input width of the attention
+    modules' output projections (Linear inner -> hidden); 0 for a module without one."""
+    widths = [m.in_features for a in module.modules() if "Attention" in type(a).__name__
+              for m in a.modules() if isinstance(m, nn.Linear) and m.out_features == hidden]
+    return max(set(widths), key=lambda w: (widths.count(w), w)) if widths else 0
+
+
+def inference_factor(count: ModuleCount) -> float:
+    """Live bytes of one block in inference per row-token, in hidden x bytes units: the block's
+    input (held by the caller) + the larger of the attention phase (residual, q / k / v and the
+    rotary temporaries) and the MLP phase (residual, attention output, MLP input, its up
+    projection and one tensor of that size)."""
+    h = max(count.hidden, 1)
+    attention = count.attention or count.hidden
+    return 1 + max(1 + 6 * attention / h, 3 + 2 * (count.up or 4 * count.hidden) / h)
+
+
+def training_factor(count: ModuleCount, lora: bool) -> float:
+    """Bytes one block keeps for its backward per row-token, in hidden x bytes units (LoRA:
+    frozen base weights, the adapters' inputs kept; full: every weight trained)."""
+    h = max(count.hidden, 1)
+    attention = count.attention or count.hidden
+    ffn = count.ffn or 4 * count.hidden
+    return (21 + 10 * attention / h + 5 * ffn / h) if lora else \
+        (29 + 14 * attention / h + 5 * ffn / h)
+
+
+def rows_per_call(family, rows: int) -> int:
+    """Rows one transformer call runs of a forward of `rows`: the denoiser's `rows_per_call`
+    where it declares one (diffusion.step.Denoiser), else all of them."""
+    bound = getattr(family.denoiser, "rows_per_call", None)
+    return rows if bound is None else min(rows, int(bound))
 
 
 def _inside(inner: nn.Module, outer: nn.Module) -> bool:
@@ -202,6 +255,18 @@ class Settings:
                    None, None, None, None, graph.encoder.etp), graph
 
 
+def own_architecture(name: str, graph) -> bool:
+    """Whether the description `name` is the config's model: the one its
+    `rollout.architecture` names or, where it names none, a description of its adapter's
+    family. Its plan takes the config's sizes and adapter options; any other description
+    its family's defaults."""
+    if graph is None:
+        return False
+    if graph.rollout.architecture is not None:
+        return graph.rollout.architecture == name
+    return ARCHITECTURE_FAMILY.get(name) == graph.adapter
+
+
 def _architecture_family(name: str, graph) -> tuple[str, Path, Any]:
     """(family name, description folder, the family built from it, weights-free)."""
     from adapters.architectures import architecture_root
@@ -211,7 +276,7 @@ def _architecture_family(name: str, graph) -> tuple[str, Path, Any]:
     if adapter is None:
         raise ConfigError("no family is known for this architecture", field="architecture",
                           expected=sorted(ARCHITECTURE_FAMILY), actual=name)
-    options = graph.adapter_options if graph is not None and graph.rollout.architecture == name \
+    options = graph.adapter_options if own_architecture(name, graph) \
         else ARCHITECTURE_OPTIONS.get(name, {})
     return adapter, root, get_family(adapter, str(root), options)
 
@@ -266,8 +331,8 @@ def plan_memory(architecture: str, settings: Settings, graph=None,
     plan = MemoryPlan(architecture, asdict(settings) | {
         "sampling": {k: getattr(sampling, k) for k in ("height", "width", "num_frames")},
         "tokens_per_row": tokens, "cfg_rows": cfg_rows},
-        {c: {"params": n.params, "blocks": n.blocks, "hidden": n.hidden, "ffn": n.ffn}
-         for c, n in counts.items()})
+        {c: {"params": n.params, "blocks": n.blocks, "hidden": n.hidden, "ffn": n.ffn,
+             "up": n.up, "attention": n.attention} for c, n in counts.items()})
     # text encoders, one shard at each ETP degree
     enc_b = dtype_bytes(settings.encoder_dtype)
     text_tokens = max((e.max_length for e in spec.encoders), default=0)
@@ -287,9 +352,11 @@ def plan_memory(architecture: str, settings: Settings, graph=None,
         params += sum(counts[c].params for c in spec.media_encoders) * roll_b
     main = counts[spec.transformers[0]]
     rows = settings.max_batch_rows * cfg_rows
-    act = rows * tokens * main.hidden * (4 + main.ffn / max(main.hidden, 1)) * roll_b
+    live = rows_per_call(family, rows)
+    act = live * tokens * main.hidden * inference_factor(main) * roll_b
     plan.processes.append(ProcessMemory("rollout replica", int(params), activations=int(act),
-                                        note=f"{rows} rows x {tokens} tokens"))
+                                        note=f"{rows} rows a forward, {live} a transformer call "
+                                             f"x {tokens} tokens"))
     # decoders
     dec_b = dtype_bytes(settings.decoder_dtype)
     for latent, components in sorted(spec.decoders.items()):
@@ -299,25 +366,30 @@ def plan_memory(architecture: str, settings: Settings, graph=None,
     learn_b = dtype_bytes(settings.learner_dtype)
     trained = sum(counts[c].params for c in spec.transformers)
     micro = settings.micro_batch_size * cfg_rows
-    per_block = micro * tokens * main.hidden * learn_b
+    live = rows_per_call(family, micro)
+    per_row = tokens * main.hidden * learn_b
     blocks = max(main.blocks, 1)
-    if settings.gradient_checkpointing:
-        act = per_block * (blocks + 16 + 2 * main.ffn / max(main.hidden, 1))
-    else:
-        act = per_block * blocks * (16 + 2 * main.ffn / max(main.hidden, 1))
+
+    def learner_activations(lora: bool) -> int:
+        keep = training_factor(main, lora)
+        if settings.gradient_checkpointing:      # every row's block inputs + one block redone
+            return int(per_row * (micro * blocks + live * (keep + inference_factor(main))))
+        return int(per_row * micro * blocks * keep)
+
     media = sum(counts[c].params for c in spec.media_encoders) * learn_b if conditioned else 0
     lora = lora_params(family, root, settings.lora_rank)
     plan.processes.append(ProcessMemory(          # DDP: the whole model on every worker
         f"learner worker (DDP, LoRA r{settings.lora_rank}, any N)",
         int(trained * learn_b + 2 * lora * 4 + media), gradients=int(lora * 4),
-        optimizer=int(2 * lora * 4), activations=int(act),
+        optimizer=int(2 * lora * 4), activations=learner_activations(True),
         note="the transformer in the learner dtype + adapters 'default' and 'old' in fp32"))
     for n in sorted(set(workers)):                # FSDP2: full weights sharded over n
         masters, frozen = trained * 4, 2 * trained * learn_b     # + old and reference copies
         plan.processes.append(ProcessMemory(
             f"learner worker (FSDP2, full, N={n})", int((masters + frozen) / n + media),
             gradients=int(trained * 4 / n), optimizer=int(2 * trained * 4 / n),
-            activations=int(act), note="fp32 masters, old + reference copies, AdamW"))
+            activations=learner_activations(False),
+            note="fp32 masters, old + reference copies, AdamW"))
     plan.processes.append(ProcessMemory("controller (trainer process)", 0,
                                         note="no model beside a worker group"))
     return plan
@@ -386,6 +458,12 @@ def format_plan(plan: MemoryPlan, markdown: bool = False) -> str:
                      for r in [head, *rows])
 
 
+def _is_trainer_config(path: Path) -> bool:
+    import yaml
+    raw = yaml.safe_load(Path(path).read_text())
+    return isinstance(raw, dict) and "graph" in raw
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", required=True, type=Path, metavar="CONFIG")
@@ -410,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                               field="rollout.architecture", actual=None)
     plans = []
     for arch in archs:
-        own = arch == graph.rollout.architecture
+        own = own_architecture(arch, graph)
         plan = plan_memory(arch, settings, graph, workers, args.etp, config_size=own)
         plans.append(plan)
         if args.summary:
@@ -419,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{plan.settings['sampling']}, {plan.settings['tokens_per_row']} tokens / row)"
         print(f"\n### {title}\n" if args.markdown else f"\n{title}")
         print(format_plan(plan, args.markdown))
+        if own and _is_trainer_config(args.memory):
+            print("\non the config's GPUs (num_gpus x the card its stage's labels pin; "
+                  "none: 80 GB):")
+            for row in config_fit(args.memory, arch, plan):
+                print(f"  {row['process']}: {gb(row['total'])} GB of {gb(int(row['share']))} GB"
+                      f" -> {'fits' if row['fits'] else 'DOES NOT FIT'}")
     if args.summary:
         print(format_summary(plans))
     if args.out:
@@ -426,4 +510,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["MemoryPlan", "ProcessMemory", "Settings", "plan_memory", "format_plan", "main"]
+__all__ = ["MemoryPlan", "ProcessMemory", "Settings", "plan_memory", "format_plan",
+           "own_architecture", "inference_factor", "training_factor", "config_fit", "main"]
+
+
+# ---- a config's processes on its GPUs --------------------------------------------------------------
+ACCELERATOR_LABEL = "ray.io/accelerator-type"      # the node label Ray sets from the GPU model
+ACCELERATOR_BYTES = {"H100": GPUS["80GB"], "H200": GPUS["141GB"]}
+
+
+def card_bytes(selector: Mapping[str, str], field: str) -> float:
+    """The memory of the card a stage's label selector pins (ray.io/accelerator-type); without
+    one, any card may run it, so the smallest planned (80 GB)."""
+    kind = selector.get(ACCELERATOR_LABEL)
+    if kind is None:
+        return min(GPUS.values())
+    if kind not in ACCELERATOR_BYTES:
+        raise ConfigError("no memory is planned for this accelerator type",
+                          field=f"{field}.{ACCELERATOR_LABEL}",
+                          expected=sorted(ACCELERATOR_BYTES), actual=kind)
+    return ACCELERATOR_BYTES[kind]
+
+
+def config_fit(path: Path, architecture: str,
+               plan: MemoryPlan | None = None) -> list[dict[str, Any]]:
+    """Each GPU process of a trainer config (its graph's encoder shard, rollout replica and
+    decoders, its learner worker) against its share of the card its stage is pinned to:
+    num_gpus (per shard / per worker) x the card's bytes. One row each: process, total bytes,
+    share bytes, fits. `plan`: the config's plan when already made (its own sizes)."""
+    from trainer.config import load_trainer_config
+    settings, graph = Settings.from_config(path)
+    cfg = load_trainer_config(path)
+    learner = cfg.learner
+    plan = plan or plan_memory(architecture, settings, graph,
+                               workers=(max(learner.workers, 1),), etps=(settings.etp,),
+                               config_size=own_architecture(architecture, graph))
+    worker = "learner worker (DDP" if settings.fine_tune is PolicyKind.LORA else \
+        f"learner worker (FSDP2, full, N={max(learner.workers, 1)})"
+    shares = [(f"encoder shard (etp={settings.etp})", graph.encoder.num_gpus_per_shard,
+               graph.encoder.node_labels, "encoder"),
+              ("rollout replica", graph.rollout_stage.num_gpus, graph.rollout_stage.node_labels,
+               "rollout_stage"),
+              ("decoder ", graph.decoder.num_gpus, graph.decoder.node_labels, "decoder"),
+              (worker, learner.resources_per_worker.get("GPU", 0.0), learner.label_selector,
+               "learner")]
+    rows = []
+    for prefix, gpus, selector, field in shares:
+        share = gpus * card_bytes(selector, f"{field}.node_labels")
+        for p in plan.processes:
+            if p.process.startswith(prefix):
+                rows.append({"process": p.process, "total": p.total, "share": share,
+                             "fits": p.total <= share})
+    return rows

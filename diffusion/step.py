@@ -39,7 +39,9 @@ class Denoiser(Protocol):
     prediction (B, *S) in the model's convention; `guidance` is the (B,) embedded guidance scale
     for guidance-distilled families, else None. A denoiser may declare `guidance_form`
     (diffusion.guidance.GuidanceForm: how its pipeline combines the CFG branches); without one
-    CFG is v_u + g (v_c - v_u)."""
+    CFG is v_u + g (v_c - v_u). It may declare `rows_per_call` (int: the most rows of a forward
+    one transformer call runs, e.g. 1 where each row's sequence runs alone); without one every
+    row runs in one call (bench/memory_plan.py sizes live activations by it)."""
 
     time_convention: TimeConvention
     model_time_scale: float

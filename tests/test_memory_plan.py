@@ -131,3 +131,189 @@ def test_plan_counts_the_real_classes_parameters_and_mlp_widths(architecture):
         assert count["params"] == sum(p.numel() for p in real.parameters()), component
         if "transformer" in component or "text_encoder" in component:
             assert count["ffn"] == _declared_mlp_width(real), (component, count)
+
+
+# ---- activations: the estimate against the live bytes of real forwards ----------------------
+
+class LiveBytes:
+    """Bytes of the tensors created inside the context that are still alive, and their peak:
+    every op's outputs are recorded by storage (torch's dispatch mode) and dropped when the
+    storage is freed; tensors made before entering (inputs, weights) are not counted."""
+
+    def __init__(self):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker.sweep()
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        s = t.untyped_storage()
+                        if s._cdata not in tracker.live:
+                            tracker.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
+                            tracker.now += s.nbytes()
+                tracker.peak = max(tracker.peak, tracker.now)
+                return out
+
+        self.live: dict[int, tuple] = {}
+        self.now = self.peak = 0
+        self.mode = Mode()
+
+    def sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(key)[1]
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.sweep()
+        return self.mode.__exit__(*exc)
+
+
+def _minimax_block(heads: int, seed: int = 0):
+    """One real MiniMax-H3 block at an eighth of its widths (hidden 672, ffn 1792, time
+    embedding 336: the model's ratios) with `heads` heads of 128."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+    torch.manual_seed(seed)
+    return MiniMaxH3TransformerBlock(672, heads, 128, 1792, 336, 1e-5, 1e-5)
+
+
+def _block_inputs(tokens: int, grad: bool):
+    x = torch.randn(1, tokens, 672, dtype=torch.bfloat16, requires_grad=grad)
+    return x, torch.randn(2, 336), torch.zeros(tokens, dtype=torch.long), \
+        (torch.randn(tokens, 96), torch.randn(tokens, 96))
+
+
+@pytest.mark.parametrize("heads", [7, 14])       # the model's attention width / hidden, and 2x
+def test_block_activation_factors_match_the_real_blocks_live_bytes(heads):
+    """The planner's per-block factors (bench/memory_plan.inference_factor / training_factor,
+    from the block's counted widths) against the bytes a real MiniMax-H3 block holds in bf16:
+    in inference the peak of its live tensors (+ its input, which the caller holds), in
+    training what it keeps for backward after its forward -- with LoRA on the family's targets
+    (frozen base weights) and with every weight trained -- each within 10 %."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from adapters.minimax_h3 import MINIMAX_H3_LORA_TARGETS
+    from bench.memory_plan import ModuleCount, inference_factor, training_factor
+    tokens = 1024
+    count = ModuleCount.of(_minimax_block(heads))
+    assert (count.hidden, count.ffn, count.up, count.attention) == \
+        (672, 1792, 2 * 1792, heads * 128)
+    unit = tokens * 672 * 2                                   # tokens x hidden x bf16 bytes
+    block = _minimax_block(heads).to(torch.bfloat16)
+    x, temb, idx, rope = _block_inputs(tokens, grad=False)
+    with torch.inference_mode(), LiveBytes() as live:
+        block(x, temb, idx, rope)
+    _close(int(inference_factor(count) * unit), live.peak + x.nbytes)
+    for lora in (True, False):
+        block = _minimax_block(heads)
+        if lora:
+            block.requires_grad_(False)
+            inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16,
+                                               target_modules=list(MINIMAX_H3_LORA_TARGETS)),
+                                    block)
+        block = block.to(torch.bfloat16)
+        x, temb, idx, rope = _block_inputs(tokens, grad=True)
+        with LiveBytes() as live:
+            y = block(x, temb, idx, rope)
+            live.sweep()
+            kept = live.now - y.nbytes                        # what backward will read
+        _close(int(training_factor(count, lora) * unit), kept)
+
+
+def test_minimax_h3_rollout_runs_one_row_per_transformer_call(tiny_checkpoint):
+    """The MiniMax-H3 denoiser declares rows_per_call 1, and a forward of 4 rows peaks at the
+    live bytes of a forward of one plus little (the earlier rows' outputs: each row's packed
+    sequence runs alone; 4 rows in one call would hold 4 rows' block tensors at once), so the planner sizes the rollout replica's activations by one row at any
+    max_batch_rows: the same activations at 8 rows as at 1."""
+    from adapters.minimax_h3 import LAYOUT, TEXT_TAG, MiniMaxH3Family
+    from adapters.sample import LocalModels
+    from contract import SamplerKind, SamplingSpec
+    root = tiny_checkpoint("minimax_h3")
+    family = MiniMaxH3Family(root)
+    assert family.denoiser.rows_per_call == 1
+    models = LocalModels.load(family).transformers
+    sampling = SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, num_steps=3,
+                            guidance_scale=1.0, seeds=(0,), height=64, width=128,
+                            num_frames=124)
+    layout = family.codec.layout(sampling)
+    width = models["transformer"].config.text_dim
+    peaks = {}
+    for rows in (1, 4):
+        torch.manual_seed(0)
+        cond = family.conditioner.rows([torch.randn(1, 16, width)] * rows,
+                                       [torch.full((16,), TEXT_TAG)] * rows)
+        state = torch.randn(rows, layout.size)
+        sigma = family.sigmas(sampling)[:1].repeat(rows)
+        media = {LAYOUT: layout.encoded().repeat(rows, 1)}
+        with torch.inference_mode(), LiveBytes() as live:
+            out = family.denoiser.forward(models, state, sigma, sigma, cond, media, None)
+        peaks[rows] = live.peak - out.nbytes
+    assert peaks[4] < 1.5 * peaks[1], peaks
+    settings = dict(rollout_dtype="bfloat16", task=None, height=64, width=128,
+                    num_frames=124)
+    graph = _minimax_graph(root)
+    one, eight = (_process(plan_memory("tiny-minimax-h3", _settings(**settings,
+                                                                      max_batch_rows=n),
+                                       graph, workers=(1,), etps=(1,), root_override=root),
+                           "rollout replica") for n in (1, 8))
+    assert one.activations == eight.activations > 0
+
+
+def _minimax_graph(root):
+    from deployments.config import load_graph_config
+    return load_graph_config({"app_name": "plan_tiny", "rollout": {
+        "adapter": "minimax_h3", "weights_path": str(root)}})
+
+
+# ---- the MiniMax-H3 GPU recipe through the planner ---------------------------------------------
+
+MINIMAX_RECIPE = "configs/train_minimax_h3_gpu.yaml"      # graph: configs/gpu_minimax_h3.yaml
+
+
+def test_minimax_h3_gpu_recipe_fits_its_gpus():
+    """configs/train_minimax_h3_gpu.yaml + configs/gpu_minimax_h3.yaml through the planner at
+    the recipe's own size (288 x 448 x 124: the config names no description, `minimax-h3` is
+    its adapter's): every GPU process -- encoder shard at ETP 4, rollout replica, both
+    decoders, the LoRA learner worker -- within its share (num_gpus x the card its stage's
+    labels pin) of the card; the shares are the config's own, checked here independently."""
+    from pathlib import Path
+
+    from bench.memory_plan import GPUS, Settings, config_fit
+    from trainer.config import load_trainer_config
+    rows = config_fit(Path(MINIMAX_RECIPE), "minimax-h3")
+    names = [r["process"] for r in rows]
+    assert names == ["encoder shard (etp=4)", "rollout replica", "decoder audio_latent",
+                     "decoder video_latent", "learner worker (DDP, LoRA r32, any N)"]
+    assert all(r["fits"] for r in rows), rows
+    cfg = load_trainer_config(MINIMAX_RECIPE)
+    graph = cfg.graph_config()
+    share = dict(zip(names, [graph.encoder.num_gpus_per_shard, graph.rollout_stage.num_gpus,
+                             graph.decoder.num_gpus, graph.decoder.num_gpus,
+                             cfg.learner.resources_per_worker["GPU"]]))
+    for r in rows:
+        assert r["share"] in {share[r["process"]] * g for g in GPUS.values()}
+        assert 0 < r["total"] <= r["share"]
+    settings, _ = Settings.from_config(Path(MINIMAX_RECIPE))
+    assert (settings.height, settings.width, settings.num_frames) == (288, 448, 124)
+
+
+def test_architecture_named_on_the_command_line_takes_the_configs_size(capsys):
+    """`--memory <a config naming no description> --architecture minimax-h3` plans at the
+    config's sampler size (the description is the config's adapter's family), another
+    family's description at its own defaults."""
+    from bench.memory_plan import main, own_architecture
+    from trainer.config import load_trainer_config
+    graph = load_trainer_config(MINIMAX_RECIPE).graph_config()
+    assert graph.rollout.architecture is None
+    assert own_architecture("minimax-h3", graph) and not own_architecture("ltx-2", graph)
+    main(["--memory", MINIMAX_RECIPE, "--architecture", "minimax-h3", "--etp", "4",
+          "--workers", "2"])
+    out = capsys.readouterr().out
+    assert "minimax-h3 (the config: {'height': 288, 'width': 448, 'num_frames': 124}" in out
+    assert "DOES NOT FIT" not in out and "rollout replica: " in out
