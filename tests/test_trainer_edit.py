@@ -77,6 +77,20 @@ def test_edit_prompt_files_carry_their_source_and_a_missing_one_is_named(tmp_pat
     with pytest.raises(DatasetError) as err:
         check_task_media(load_prompt_file(bad), (MediaRole.IMAGE,), "edit")
     assert err.value.field == f"{bad}:1 first_frame"
+    # a multi-image edit: the source, then a prefix of the further ones (image_2, image_3)
+    extra = (MediaRole.IMAGE_2, MediaRole.IMAGE_3)
+    two = lines[0] | {"image_2": lines[1]["image"]}
+    bad.write_text(json.dumps(two) + "\n")
+    check_task_media(load_prompt_file(bad), (MediaRole.IMAGE,), "edit", extra)
+    with pytest.raises(DatasetError) as err:          # a single-image edit takes no second
+        check_task_media(load_prompt_file(bad), (MediaRole.IMAGE,), "edit")
+    assert err.value.field == f"{bad}:1 image_2"
+    bad.write_text(json.dumps(lines[0] | {"image_3": lines[1]["image"]}) + "\n")
+    with pytest.raises(DatasetError) as err:          # image_3 needs image_2 before it
+        check_task_media(load_prompt_file(bad), (MediaRole.IMAGE,), "edit", extra)
+    assert err.value.field == f"{bad}:1 image_2"
+    [record] = load_prompt_file(bad)
+    assert [m.role for m in record.media_inputs()] == [MediaRole.IMAGE, MediaRole.IMAGE_3]
 
     cfg = load_trainer_config(TINY_RECIPE)
     assert cfg.task is Task.EDIT and cfg.data is not None

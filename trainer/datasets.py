@@ -18,8 +18,9 @@ Formats (DatasetFormat; AUTO picks by suffix):
 Edits (task `edit`, e.g. Qwen-Image-Edit, FLUX.1 Kontext): one .jsonl record per edit,
             {"prompt": instruction, "image": source image path, "negative_prompt": ...,
              "metadata": {"source_caption": ...}} (the clip_directional scorer reads the
-            caption; the ingress hands every scorer the source under "image"). A run checks at
-            start-up that every record carries exactly its task's media (`check_task_media`).
+            caption; the ingress hands every scorer the source under "image"); a multi-image
+            edit adds "image_2", "image_3". A run checks at start-up that every record carries
+            exactly its task's media (`check_task_media`).
 Every bad input is a DatasetError naming `<file>:<line>`: a missing file, a file without prompts,
 a line that is not JSON or has no prompt, a condition path that does not open as an image/video.
 Media are checked (opened, headers verified, the first video frame decoded) at load; their
@@ -53,6 +54,8 @@ class DatasetFormat(str, Enum):
 # jsonl / parquet key -> (modality, role) of a condition media path
 MEDIA_KEYS: dict[str, tuple[Modality, MediaRole]] = {
     "image": (Modality.IMAGE, MediaRole.IMAGE),
+    "image_2": (Modality.IMAGE, MediaRole.IMAGE_2),          # a multi-image edit's 2nd source
+    "image_3": (Modality.IMAGE, MediaRole.IMAGE_3),          # ... and its 3rd
     "first_frame": (Modality.IMAGE, MediaRole.FIRST_FRAME),
     "last_frame": (Modality.IMAGE, MediaRole.LAST_FRAME),
     "reference": (Modality.IMAGE, MediaRole.REFERENCE),
@@ -370,23 +373,31 @@ def load_prompt_file(path: str | Path, fmt: DatasetFormat = DatasetFormat.AUTO
 
 
 def check_task_media(records: Sequence[PromptRecord], roles: Sequence[MediaRole],
-                     task: str) -> None:
-    """Every record carries exactly the condition media of its run's task (`roles`, the
-    family's for that task; an edit: its source image, key "image"), checked from the paths
-    before any pixel is read: else a DatasetError naming `<file>:<line> <key>`."""
-    wanted = set(roles)
+                     task: str, optional: Sequence[MediaRole] = ()) -> None:
+    """Every record carries exactly the condition media of its run's task, as the family's
+    request check takes them: its `roles` (an edit: the source image, key "image"), then a
+    prefix of its `optional` ones (a multi-image edit: "image_2", "image_3"); checked from the
+    paths before any pixel is read, else a DatasetError naming `<file>:<line> <key>`."""
+    wanted, optional = set(roles), list(optional)
     for record in records:
         have = {MEDIA_KEYS[key][1]: key for key in record.media}
         for role in sorted(wanted - set(have), key=lambda r: r.value):
             keys = [k for k, (_, r) in MEDIA_KEYS.items() if r is role]
             raise DatasetError(f"a {task} record needs its {role.value} condition media",
-                               field=f"{record.source} {keys[0]}",
+                               field=f"{record.source} {'/'.join(keys) or role.value}",
                                expected=f"a path under '{'/'.join(keys)}'", actual=None)
-        for role in sorted(set(have) - wanted, key=lambda r: r.value):
+        for role in sorted(set(have) - wanted - set(optional), key=lambda r: r.value):
             raise DatasetError(f"task {task} takes no {role.value} condition media",
                                field=f"{record.source} {have[role]}",
-                               expected=sorted(r.value for r in wanted),
+                               expected=sorted(r.value for r in wanted | set(optional)),
                                actual=str(record.media[have[role]]))
+        taken = [r for r in optional if r in have]
+        if taken != optional[:len(taken)]:
+            gap = next(r for r in optional if r not in have)      # a later one is there
+            raise DatasetError(f"task {task} takes its further media in order "
+                               f"{[r.value for r in optional]}", field=f"{record.source} "
+                               f"{[k for k, (_, r) in MEDIA_KEYS.items() if r is gap][0]}",
+                               expected="a path (the ones after it need it)", actual=None)
 
 
 # ---- epoch order ----------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class Trainer:
                 raise ConfigError(f"{self.family.name} does not serve this task", field="task",
                                   expected=[t.value for t in self.family.spec.tasks],
                                   actual=cfg.task.value)
-            self.feed.check_task_media(cfg.task, self.family.spec.tasks[cfg.task])
+            self.feed.check_task_media(cfg.task, self.family.spec.tasks[cfg.task],
+                                       self.family.spec.optional_media.get(cfg.task, ()))
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Conditions are the encoder stage's, by reference: no text encoder in this process.

@@ -102,10 +102,11 @@ class PromptFeed:
                            [dict(r.metadata) for _, r in taken],
                            media if any(m is not None for m in media) else None, before)
 
-    def check_task_media(self, task, roles: Sequence) -> None:
+    def check_task_media(self, task, roles: Sequence, optional: Sequence = ()) -> None:
         """Every training and held-out record carries exactly the condition media `roles` of
-        the run's `task` (datasets.check_task_media; an edit's source image); a task with media
-        needs prompt files (the synthetic sources have none)."""
+        the run's `task`, then a prefix of `optional` (datasets.check_task_media; an edit's
+        source images); a task with media needs prompt files (the synthetic sources have
+        none)."""
         if self.data is None:
             if roles:
                 raise ConfigError(f"task {task.value} reads its condition media from prompt "
@@ -113,7 +114,7 @@ class PromptFeed:
                                   f"{sorted(r.value for r in roles)}", actual=None)
             return
         for records in (self.data.records, self.eval_records):
-            check_task_media(records, roles, task.value)
+            check_task_media(records, roles, task.value, optional)
 
     def eval_extras(self) -> tuple[list[dict[str, Any]], list | None]:
         media = [r.media_inputs() for r in self.eval_records]
