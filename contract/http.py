@@ -208,6 +208,13 @@ class HTTPRolloutRequest(FrozenModel):
                                       actual=len(self.negative_prompts))
         return self
 
+    @field_validator("sde_window", mode="before")
+    @classmethod
+    def _window_as_tuple(cls, value: Any) -> Any:
+        """A JSON array reaches this hook as a list; strict validation wants the tuple (without
+        this, every `sde_window` sent over HTTP was refused as "not a valid array")."""
+        return tuple(value) if isinstance(value, list) else value
+
     @field_validator("metadata", mode="before")
     @classmethod
     def _check_metadata_size(cls, value: Any) -> Any:

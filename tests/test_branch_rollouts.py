@@ -173,7 +173,7 @@ def _post(front, body) -> tuple[int, dict]:
 
 
 BODY = {"prompts": ["a red circle", "a blue square"], "samples_per_prompt": 2, "seed": 11,
-        "num_steps": 4, "artifacts": ["image_latent"],       # SDE window (0, 3)
+        "num_steps": 4, "sde_window": [0, 3], "artifacts": ["image_latent"],
         "branch": {"fork_steps": [1, 2], "factor": 2}}
 
 
@@ -183,6 +183,7 @@ def test_a_branch_request_over_http_answers_the_tree(strategy):
     assert status == 200, answer
     [first, second] = front.reached[-1]
     assert first.branch == BRANCH and first.sampling.seeds == (11, 12)
+    assert first.sampling.sde_window == (0, 3)
     assert second.sampling.seeds == (13, 14)
     for result, seeds in zip(answer["results"], [(11, 12), (13, 14)]):
         want = _hand_tree(seeds, (1, 2), 2)
@@ -205,15 +206,20 @@ def test_a_branch_request_over_http_answers_the_tree(strategy):
     ({"fork_steps": [1], "factor": "2"}, 422, "branch.factor"),
     ({"fork_steps": [2, 1]}, 422, "branch.fork_steps"),
     ({"fork_steps": [1], "width": 2}, 422, "branch.width"),
+    ({"fork_steps": [2]}, 400, "branch.fork_steps[0]"),          # at the end of sde_window
 ])
 def test_http_branch_bounds_are_refused_before_any_rollout(strategy, branch, status, field):
     front = StrategyFront(strategy)
-    got, answer = _post(front, dict(BODY, branch=branch))
+    body = dict(BODY, branch=branch)
+    if branch == {"fork_steps": [2]}:
+        body["sde_window"] = [0, 2]
+    got, answer = _post(front, body)
     assert got == status and answer["error"]["field"] == field, answer
     assert not front.reached
     if status != 422:                     # the value refused is named with the field
         actual = {"branch.factor": 5, "branch.fork_steps": 3, "branch": 18,
-                  "branch.fork_steps[1]": 4, "branch.fork_steps[0]": 3}[field]
+                  "branch.fork_steps[1]": 4,
+                  "branch.fork_steps[0]": branch["fork_steps"][0]}[field]
         assert answer["error"]["actual"] == actual, answer
 
 
