@@ -245,3 +245,12 @@ def test_tree_grpo_config_is_checked_against_the_graphs_limits():
         with pytest.raises(ConfigError) as exc:
             load_trainer_config(cfg)
         assert words in str(exc.value)
+
+
+def test_the_shipped_tree_grpo_config_meets_its_graphs_limits():
+    from trainer.config import check_group_sizes, load_trainer_config
+    cfg = load_trainer_config("configs/train_tiny_t2i_tree.yaml")
+    check_group_sizes(cfg, cfg.graph_config())
+    branch, graph = cfg.flow_grpo.branch, cfg.graph_config()
+    assert branch.leaves(cfg.samples_per_prompt) == 8 <= graph.limits.max_samples_per_prompt
+    assert cfg.algorithm.value == "flow_grpo" and branch.fork_steps == (2, 4)
