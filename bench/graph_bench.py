@@ -168,8 +168,8 @@ CRITICAL_PATH = {
                            "ingress -> rollout.rollout", "ingress -> decoder.decode",
                            "ingress -> scorer.score"),
     "replica_to_actor": ("rollout -> policy_store.latest_version", "rollout -> holder.hold",
-                         "decoder -> holder.hold", "ingress -> holder.release"),
-}
+                         "decoder -> holder.hold"),
+}   # no holder.release: every artifact is requested (ingress_release_s ~ 0), none internal
 
 
 def floor_of(floor: dict) -> dict:
