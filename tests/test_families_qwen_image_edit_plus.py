@@ -297,3 +297,55 @@ def test_several_images_over_http_reach_the_family_in_order(tiny_checkpoint):
         assert answer["error"]["field"] == field, answer
         if expected is not None:
             assert answer["error"]["expected"] == expected, answer
+
+
+@pytest.mark.timeout(900)
+def test_a_two_source_edit_over_http_through_the_graph(ray_cluster, tiny_checkpoint):
+    """The deployed graph of the tiny Qwen-Image-Edit-Plus checkpoint: a guided edit with two
+    ordered sources over HTTP (the encoder stage shows both to the conditioner, for the prompt
+    and its negative; the rollout stage VAE-encodes both), and a second source at a size the
+    pipeline would resize refused with a 400 naming media.image_2 (integration tier: Ray)."""
+    import base64
+    import io
+
+    import httpx
+    from ray import serve
+
+    from graph import build_app, delete_graph
+
+    def png(image: torch.Tensor) -> str:
+        out = io.BytesIO()
+        pil(image).save(out, format="PNG")
+        return base64.b64encode(out.getvalue()).decode()
+
+    config = {"app_name": "fam_qwen_image_edit_plus",
+              "rollout": {"adapter": "qwen_image",
+                          "weights_path": str(tiny_checkpoint("qwen_image_edit_plus")),
+                          "adapter_options": {"max_sequence_length": 80}},
+              "rollout_stage": {"num_cpus": 0.5},
+              "scorers": [{"name": "image_attributes", "scorer": {"kind": "image_attributes"},
+                           "inputs": ["image"], "reward": {"policy": "required"}}],
+              "limits": {"max_prompts": 1, "max_samples_per_prompt": 1, "max_steps": 4,
+                         "max_frames": 1, "max_width": 1280,
+                         "max_body_bytes": 16 << 20},     # two ~1 MP noisy PNGs
+              "policy_store": "fam_qwen_image_edit_plus_store"}
+    serve.run(build_app(config), name=config["app_name"], route_prefix="/qwen_image_edit_plus")
+    url = f"http://127.0.0.1:{ray_cluster['http_port']}/qwen_image_edit_plus/rollout"
+    sources = [png(source_image(i)) for i in range(2)]
+    body = {"prompts": ["a red circle at the top left on a black background"],
+            "negative_prompts": [" "], "task": "edit", "images": [sources],
+            "samples_per_prompt": 1, "seed": 3, "num_steps": 2, "sampler": "ode",
+            "noise_level": 0.0, "guidance_scale": 4.0, "height": 64, "width": 96}
+    try:
+        reply = httpx.post(url, json=body, timeout=600)
+        assert reply.status_code == 200, reply.text
+        [result] = reply.json()["results"]
+        [sample] = result["samples"]
+        assert {a["name"]: a["shape"] for a in sample["artifacts"]}["image"] == [3, 64, 96]
+        small = torch.zeros(3, 512, 768, dtype=torch.uint8)
+        bad = httpx.post(url, json=body | {"images": [[sources[0], png(small)]]}, timeout=120)
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["field"] == "media.image_2" and error["expected"] == "(3, 832, 1248)", error
+    finally:
+        delete_graph(config)
