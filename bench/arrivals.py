@@ -11,8 +11,8 @@ Requests arrive at Poisson times (seeded) and are served by one of:
 Each policy sees the same arrival times and requests; per request latency = finish - arrival;
 each request's timeline splits it into the wait before its first step and the run after it.
 
-The same policies are also simulated (`simulate_static`, `simulate_stepwise`) on a measured
-step-time-vs-rows curve with no scheduling overhead at all: what the best scheduler could reach
+The same policies are also simulated (`simulate_static`, `simulate_stepwise`) on a step time
+fitted to the measured step-time-vs-rows curve (`robust_line`), with no scheduling overhead at all: what the best scheduler could reach
 on that hardware, and which curve shape step-wise batching pays on.
 """
 from __future__ import annotations
@@ -145,17 +145,14 @@ def summarize(traces: Sequence[dict]) -> dict:
 
 
 # ---- the same policies simulated on a measured step-time curve (no scheduling overhead) -------
-def step_time_curve(rows: Sequence[int], seconds: Sequence[float]) -> Callable[[int], float]:
-    """Seconds of one step (forward + sampler step) at r rows: the measured points joined by
-    straight lines, extended past the last one along the least-squares line's slope."""
-    slope = float(np.polyfit(np.asarray(rows, float), np.asarray(seconds, float), 1)[0])
-    last_r, last_s = rows[-1], seconds[-1]
-
-    def step_s(r: int) -> float:
-        if r <= last_r:
-            return float(np.interp(r, rows, seconds))
-        return last_s + slope * (r - last_r)
-    return step_s
+def robust_line(rows: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(fixed, per_row) of the line seconds = fixed + per_row x rows through the points, by
+    Theil-Sen (the median of the pairwise slopes, then the median intercept): a point bent by
+    a burst of load on a shared machine moves it far less than a least-squares fit."""
+    pairs = [(seconds[j] - seconds[i]) / (rows[j] - rows[i])
+             for i in range(len(rows)) for j in range(i + 1, len(rows)) if rows[j] != rows[i]]
+    per_row = float(np.median(pairs))
+    return float(np.median([t - per_row * r for r, t in zip(rows, seconds)])), per_row
 
 
 def simulate_static(arrivals: Sequence[float], steps: int, step_s: Callable[[int], float],

@@ -8,7 +8,7 @@ All requests arrive together (N requests, one row each, same steps and sampler):
   static_batch        flow_grpo-style: all N rows stacked into one call of a plain denoising loop
   one_at_a_time_loop  the same plain loop, one request per call
 Step time vs rows: seconds per denoising step at 1..16 rows, the plain loop and the engine, with
-  a fixed + per-row least-squares fit.
+  a fixed + per-row fit (Theil-Sen on each row count's least contended repeat).
 Staggered arrivals (Poisson, seeded traces, the same offered load for every policy;
 bench/arrivals.py) at 0.6 and 0.9 of the static batch's all-together capacity:
   stepwise / static_batch (greedy: whatever waits starts as soon as the executor is free, the
@@ -16,8 +16,8 @@ bench/arrivals.py) at 0.6 and 0.9 of the static batch's all-together capacity:
   traces, and where the latency went (wait before the first step, run after it) -- the case
   continuous batching exists for (a request joins at the next step instead of waiting for a
   batch to end).
-Bound: the same policies simulated with no scheduling overhead on the measured step-time curve
-  (and on a flat one): the p95 ratio the best scheduler could reach on this machine.
+Bound: the same policies simulated with no scheduling overhead on the fitted step time (and on
+  a flat one): the p95 ratio the best scheduler could reach on this machine.
 Mixed workload (all arrive together): 10 / 20 / 28-step requests, two LoRA versions, CFG and
   no-CFG. stepwise: the engine; static_batch: each compatible group (same steps, version,
   guidance) one plain-loop call, groups in arrival order -- a static loop cannot mix schedules.
@@ -46,12 +46,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adapters.registry import get_family
 from bench.arrivals import (percentile, poisson_arrivals, serve_batched, serve_stepwise,
-                            simulate_static, simulate_stepwise, step_time_curve, summarize)
+                            robust_line, simulate_static, simulate_stepwise, summarize)
 from bench.plain_loop import plain_loop
 from contract import Condition, RolloutRequest, SamplerKind, SamplingSpec, Task
 from diffusion.noise import initial_noise, row_noise
@@ -218,7 +217,7 @@ def plot(result: dict, path: Path) -> None:
     ax5.set_ylabel("ms per step")
     ax5.set_ylim(bottom=0)
     ax5.legend(fontsize=7)
-    best = {load: row["measured_curve"]["best_p95_vs_static_greedy"]
+    best = {load: row["fitted_curve"]["best_p95_vs_static_greedy"]
             for load, row in result["staggered_bound"].items()}
     ax5.set_title("step time vs rows; best p95 vs static any scheduler reaches here: " +
                   ", ".join(f"{v:.2f} @ {load}" for load, v in best.items()), fontsize=9)
@@ -259,8 +258,8 @@ def step_curve(engine, adapter, components, requests, max_rows: int, repeats: in
     """Seconds per denoising step (forward + sampler step) at 1..max_rows rows: the plain loop
     over r rows, and the engine with r one-row requests in flight (its admission, scheduling
     and result bookkeeping included), after a warm-up, taking turns: the median of `repeats`
-    and the least contended (the minimum), which the fit and the bound use -- on a shared
-    machine one burst of load in a repeat would otherwise bend the curve."""
+    and the least contended (the minimum), which the fit uses -- on a shared machine one burst
+    of load in a repeat would otherwise bend the curve; the fit is Theil-Sen (robust_line)."""
     runners = {}
     for r in range(1, max_rows + 1):
         runners[("plain", r)] = lambda r=r: run_plain_loop(adapter, components, requests[:r])
@@ -270,7 +269,7 @@ def step_curve(engine, adapter, components, requests, max_rows: int, repeats: in
     out = {"rows": list(range(1, max_rows + 1))}
     for side in ("plain", "engine"):
         per_step = [min(seconds[(side, r)]) / steps for r in out["rows"]]
-        slope, intercept = np.polyfit(out["rows"], per_step, 1)
+        intercept, slope = robust_line(out["rows"], per_step)
         out[side] = {"step_s": per_step, "fit_fixed_s": float(intercept),
                      "fit_per_row_s": float(slope),
                      "rows_per_s": [r / t for r, t in zip(out["rows"], per_step)],
@@ -285,16 +284,16 @@ def step_curve(engine, adapter, components, requests, max_rows: int, repeats: in
 def bound(curve: dict, steps: int, loads: dict[str, float], requests: int, max_rows: int,
           traces: int = 400) -> dict:
     """What any scheduler could reach on this machine: the policies simulated with no overhead
-    on the measured plain-loop step-time curve (bench.arrivals.simulate_*), over `traces`
-    Poisson traces per load; and the same on a flat curve (every row count costs one row's
-    step: a forward bound by its fixed cost, as on a GPU far from saturation)."""
-    measured = step_time_curve(curve["rows"], curve["plain"]["step_s"])
-    flat = lambda r: curve["plain"]["step_s"][0]  # noqa: E731
+    on the plain loop's fitted step time, fixed + per_row x rows (bench.arrivals.simulate_*),
+    over `traces` Poisson traces per load; and the same on a flat curve (every row count costs
+    one row's step: a forward bound by its fixed cost, as on a GPU far from saturation)."""
     a, b = curve["plain"]["fit_fixed_s"], curve["plain"]["fit_per_row_s"]
+    measured = lambda r: a + b * r  # noqa: E731
+    flat = lambda r: a + b  # noqa: E731
     out = {}
     for load, rate in loads.items():
         row = {"rate_per_s": rate}
-        for name, step_s in (("measured_curve", measured), ("flat_curve", flat)):
+        for name, step_s in (("fitted_curve", measured), ("flat_curve", flat)):
             full_batch_s = steps * step_s(max_rows)
             policies = {
                 "static_greedy": lambda arr: simulate_static(arr, steps, step_s, max_rows),
@@ -319,7 +318,7 @@ def bound(curve: dict, steps: int, loads: dict[str, float], requests: int, max_r
         rho = rate * steps * b
         row["stepwise_mean_latency_closed_form_s"] = steps * a / (1 - rho) if rho < 1 else None
         row["per_row_utilization"] = rho
-        row["min_latency_s"] = steps * curve["plain"]["step_s"][0]
+        row["min_latency_s"] = steps * (a + b)
         out[load] = row
     return out
 
@@ -442,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--curve-repeats", type=int, default=5,
+                        help="repeats per row count of the step-time curve (its minimum is fitted)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for every mode (default: all cores)")
     parser.add_argument("--arrival-loads", type=float, nargs="+", default=[0.6, 0.9],
@@ -480,7 +481,8 @@ def main(argv: list[str] | None = None) -> dict:
         capacity = args.requests / timings["static_batch"]
         dependence = batch_dependence(engine, requests)
         arriving = _requests(adapter, encoders, args.arrival_requests, args.steps)
-        curve = step_curve(engine, adapter, components, arriving, args.requests, args.repeats)
+        curve = step_curve(engine, adapter, components, arriving, args.requests,
+                           args.curve_repeats)
         seeds = list(range(args.seed, args.seed + args.arrival_traces))
         stagger = {f"{load:g}": staggered(engine, adapter, components, arriving,
                                           load * capacity, seeds)
@@ -560,8 +562,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                      for k, v in stagger.items()},
                                  args.arrival_requests, args.requests, args.sim_traces),
         "staggered_bound_note": "the policies simulated with zero scheduling overhead on the "
-                                "measured plain step-time curve (and on a flat one, every row "
-                                "count at one row's cost): the best step-wise p95 / the greedy "
+                                "plain loop's fitted step time, fixed + per_row x rows (and on a "
+                                "flat one, every row count at one row's cost): the best step-wise p95 / the greedy "
                                 "static batcher's p95 any scheduler could reach on this curve; "
                                 "static_full_or_max_wait (waits for a full batch or half a full "
                                 "batch's run) is the weaker static baseline, static_greedy (starts "
@@ -587,7 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
         "vs_one_at_a_time_loop": result["vs_one_at_a_time_loop"] >= 1.5}
     result["staggered_p95_reachable"] = {
         load: {curve_name: row[curve_name]["best_p95_vs_static_greedy"] <= 0.6
-               for curve_name in ("measured_curve", "flat_curve")}
+               for curve_name in ("fitted_curve", "flat_curve")}
         for load, row in result["staggered_bound"].items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rollout.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -597,7 +599,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              "branched", "goals_met")}, indent=2))
     for load, runs in stagger.items():
         print(load, runs["p95_vs_static"], runs["throughput_vs_static"],
-              result["staggered_bound"][load]["measured_curve"]["best_p95_vs_static_greedy"])
+              result["staggered_bound"][load]["fitted_curve"]["best_p95_vs_static_greedy"])
     return result
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.arrivals import (simulate_static, simulate_stepwise, step_time_curve, summarize)
+from bench.arrivals import robust_line, simulate_static, simulate_stepwise, summarize
 
 
 def linear(fixed: float, per_row: float):
@@ -41,10 +41,11 @@ def test_stepwise_row_bound_picks_by_its_order(order, want):
     assert got == pytest.approx(want)
 
 
-def test_step_time_curve_interpolates_then_extends_along_the_fit():
-    curve = step_time_curve([1, 2, 4], [2.0, 3.0, 5.0])           # fit slope 1
-    assert curve(3) == pytest.approx(4.0)
-    assert curve(6) == pytest.approx(7.0)
+def test_robust_line_ignores_one_point_bent_by_load():
+    # 1 + 2 x rows at rows 1..5, the point at 3 rows hit by a burst (x5): least squares would
+    # move both coefficients; Theil-Sen keeps the line.
+    fixed, per_row = robust_line([1, 2, 3, 4, 5], [3.0, 5.0, 35.0, 9.0, 11.0])
+    assert (fixed, per_row) == pytest.approx((1.0, 2.0))
 
 
 def test_summary_pools_the_traces():
