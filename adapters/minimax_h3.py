@@ -488,6 +488,14 @@ class MiniMaxH3Denoiser:
         self.codec, self.schedules = codec, schedules
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def sequence_tokens(self, sampling: SamplingSpec, text_tokens: int,
+                        keyframes: int) -> int:
+        """Rows of one packed sequence (build_packed_sequence's layout): text, one latent
+        frame per keyframe, the audio latents of both channels, the target video."""
+        layout = self.codec.layout(sampling)
+        return text_tokens + (keyframes + layout.frames // layout.dims.patch[0]) \
+            * layout.rows_per_frame + layout.audio_rows
+
     def tables(self, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         if num_steps not in self._tables:
             self._tables[num_steps] = self.schedules.tables(num_steps)

@@ -282,10 +282,15 @@ def _architecture_family(name: str, graph) -> tuple[str, Path, Any]:
 
 
 def _tokens(family, counts: Mapping[str, ModuleCount], sampling: SamplingSpec,
-            root: Path) -> int:
-    """Image / video tokens of one row: the sampler state's elements over the transformer's
-    input channels (and its patch, for an unpacked latent) + the longest text encoder's
-    window (the text tokens it attends to; an estimate)."""
+            root: Path, task: Task | None = None) -> int:
+    """Tokens of one row: the denoiser's own count where it declares `sequence_tokens`
+    (MiniMax-H3's packed sequence: text, the task's keyframes, audio, video), else the sampler
+    state's elements over the transformer's input channels (and its patch, for an unpacked
+    latent) + the longest text encoder's window (the text tokens it attends to; an estimate)."""
+    text = max((e.max_length for e in family.spec.encoders), default=0)
+    count = getattr(family.denoiser, "sequence_tokens", None)
+    if count is not None:
+        return int(count(sampling, text, len(family.spec.tasks.get(task, ()))))
     component = family.spec.transformers[0]
     config = json.loads((root / component / "config.json").read_text())
     shape = family.codec.state_shape(sampling)
@@ -295,7 +300,6 @@ def _tokens(family, counts: Mapping[str, ModuleCount], sampling: SamplingSpec,
     patch_elems = math.prod(patch) if isinstance(patch, (list, tuple)) else patch * patch
     packed = shape[-1] == channels and len(shape) <= 2
     tokens = elements // channels // (1 if packed else patch_elems)
-    text = max((e.max_length for e in family.spec.encoders), default=0)
     return int(tokens + text)
 
 
@@ -327,7 +331,7 @@ def plan_memory(architecture: str, settings: Settings, graph=None,
                             guidance_scale=settings.guidance_scale, seeds=(0,))
     from diffusion.step import doubles_rows
     cfg_rows = 2 if doubles_rows(spec.guidance, settings.guidance_scale) else 1
-    tokens = _tokens(family, counts, sampling, root)
+    tokens = _tokens(family, counts, sampling, root, settings.task)
     plan = MemoryPlan(architecture, asdict(settings) | {
         "sampling": {k: getattr(sampling, k) for k in ("height", "width", "num_frames")},
         "tokens_per_row": tokens, "cfg_rows": cfg_rows},

@@ -41,7 +41,9 @@ class Denoiser(Protocol):
     (diffusion.guidance.GuidanceForm: how its pipeline combines the CFG branches); without one
     CFG is v_u + g (v_c - v_u). It may declare `rows_per_call` (int: the most rows of a forward
     one transformer call runs, e.g. 1 where each row's sequence runs alone); without one every
-    row runs in one call (bench/memory_plan.py sizes live activations by it)."""
+    row runs in one call (bench/memory_plan.py sizes live activations by it), and
+    `sequence_tokens(sampling, text_tokens, keyframes)` (the rows of one transformer sequence,
+    for a denoiser that packs modalities into one; the planner counts tokens by it)."""
 
     time_convention: TimeConvention
     model_time_scale: float

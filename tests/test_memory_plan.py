@@ -278,8 +278,8 @@ MINIMAX_RECIPE = "configs/train_minimax_h3_gpu.yaml"      # graph: configs/gpu_m
 
 def test_minimax_h3_gpu_recipe_fits_its_gpus():
     """configs/train_minimax_h3_gpu.yaml + configs/gpu_minimax_h3.yaml through the planner at
-    the recipe's own size (288 x 448 x 124: the config names no description, `minimax-h3` is
-    its adapter's): every GPU process -- encoder shard at ETP 4, rollout replica, both
+    the recipe's own size (288 x 448 x 124; its rollout.architecture is minimax-h3): every GPU
+    process -- encoder shard at ETP 4, rollout replica, both
     decoders, the LoRA learner worker -- within its share (num_gpus x the card its stage's
     labels pin) of the card; the shares are the config's own, checked here independently."""
     from pathlib import Path
@@ -301,19 +301,49 @@ def test_minimax_h3_gpu_recipe_fits_its_gpus():
         assert 0 < r["total"] <= r["share"]
     settings, _ = Settings.from_config(Path(MINIMAX_RECIPE))
     assert (settings.height, settings.width, settings.num_frames) == (288, 448, 124)
+    assert graph.rollout.architecture == "minimax-h3"
 
 
-def test_architecture_named_on_the_command_line_takes_the_configs_size(capsys):
+def test_architecture_named_on_the_command_line_takes_the_configs_size(capsys, tmp_path):
     """`--memory <a config naming no description> --architecture minimax-h3` plans at the
     config's sampler size (the description is the config's adapter's family), another
-    family's description at its own defaults."""
+    family's description at its own defaults: the recipe with `rollout.architecture` left out."""
+    from pathlib import Path
+
     from bench.memory_plan import main, own_architecture
     from trainer.config import load_trainer_config
-    graph = load_trainer_config(MINIMAX_RECIPE).graph_config()
+    graph_text = Path("configs/gpu_minimax_h3.yaml").read_text()
+    line = next(x for x in graph_text.splitlines(keepends=True) if "architecture: minimax-h3" in x)
+    (tmp_path / "graph.yaml").write_text(graph_text.replace(line, ""))
+    recipe = tmp_path / "train.yaml"
+    recipe.write_text(Path(MINIMAX_RECIPE).read_text().replace(
+        "graph: configs/gpu_minimax_h3.yaml", f"graph: {tmp_path / 'graph.yaml'}"))
+    graph = load_trainer_config(recipe).graph_config()
     assert graph.rollout.architecture is None
     assert own_architecture("minimax-h3", graph) and not own_architecture("ltx-2", graph)
-    main(["--memory", MINIMAX_RECIPE, "--architecture", "minimax-h3", "--etp", "4",
+    main(["--memory", str(recipe), "--architecture", "minimax-h3", "--etp", "4",
           "--workers", "2"])
     out = capsys.readouterr().out
     assert "minimax-h3 (the config: {'height': 288, 'width': 448, 'num_frames': 124}" in out
     assert "DOES NOT FIT" not in out and "rollout replica: " in out
+
+
+@pytest.mark.parametrize("anchors", [(), ("first",), ("first", "last")])
+def test_minimax_h3_tokens_are_the_packed_sequences_rows(tiny_checkpoint, anchors):
+    """The planner's tokens per row for MiniMax-H3 (its denoiser's sequence_tokens, by the
+    task's keyframes) equal the length of the packed sequence diffusers' layout step builds for
+    the same size, text length and keyframe anchors (T2VA, I2VA, FL2VA)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    from adapters.minimax_h3 import (AUDIO_CHANNELS, AUDIO_TAG, TEXT_TAG, VIDEO_TAG,
+                                     MiniMaxH3Family)
+    from contract import SamplerKind, SamplingSpec
+    family = MiniMaxH3Family(tiny_checkpoint("minimax_h3"))
+    sampling = SamplingSpec(sampler=SamplerKind.ODE, noise_level=0.0, num_steps=3,
+                            guidance_scale=1.0, seeds=(0,), height=64, width=128,
+                            num_frames=124)
+    layout = family.codec.layout(sampling)
+    position_ids, *_ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.full((40,), TEXT_TAG), layout.frames, layout.rows, layout.cols, layout.audio,
+        layout.dims.patch, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, anchors)
+    assert family.denoiser.sequence_tokens(sampling, 40, len(anchors)) == position_ids.shape[0]
