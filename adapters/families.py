@@ -114,7 +114,12 @@ FAMILIES: tuple[FamilyEntry, ...] = (
          "FluxControlImg2ImgPipeline", "FluxControlInpaintPipeline", "VisualClozePipeline",
          "VisualClozeGenerationPipeline"),
         (TinyCheckpoint("flux", "FluxPipeline", "testing.tiny_families:flux_parts",
-                        SampleSize(64, 96, max_sequence_length=48)),)),
+                        SampleSize(64, 96, max_sequence_length=48)),
+         # FLUX.1 Kontext ships FLUX.1-dev's component classes and configs: the same
+         # components saved by FluxKontextPipeline (the folder edits, task edit)
+         TinyCheckpoint("flux_kontext", "FluxKontextPipeline",
+                        "testing.tiny_families:flux_parts",
+                        SampleSize(64, 96, max_sequence_length=48)))),
     FamilyEntry(
         "wan", "adapters.wan:WanFamily", "adapters.wan:WanOptions",
         ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline",

@@ -27,11 +27,12 @@ LTX2_PLAIN = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidanc
 
 LATENT_SHAPES = {
     "sd3": [(1, 16, 8, 12)], "flux": [(1, 24, 64)],           # FLUX: packed 2x2 tokens
+    "flux_kontext": [(1, 24, 64)],             # the source's appended tokens cut off again
     "wan21": [(1, 16, 3, 4, 6)], "wan21_i2v": [(1, 16, 3, 4, 6)], "wan22": [(1, 16, 3, 4, 6)],
     "ltx2": [(1, 4, 2, 2, 3), (1, 2, 9, 4)],                  # video, audio (unpacked)
 }
 DECODED_SHAPES = {
-    "sd3": [(1, 3, 64, 96)], "flux": [(1, 3, 64, 96)],
+    "sd3": [(1, 3, 64, 96)], "flux": [(1, 3, 64, 96)], "flux_kontext": [(1, 3, 64, 96)],
     "wan21": [(1, 9, 3, 32, 48)], "wan21_i2v": [(1, 9, 3, 32, 48)], "wan22": [(1, 9, 3, 32, 48)],
     # 9 frames at 25 fps: L = round(9 / 25 * 16000 / 160 / 4) = 9 audio latents,
     # 4L - 3 = 33 mel frames, 240 samples each at 24 kHz.
@@ -41,6 +42,7 @@ TEXT_STACKS = {
     "sd3": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"),
             ("tokenizer_3", "text_encoder_3")],
     "flux": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
+    "flux_kontext": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
     "wan21": [("tokenizer", "text_encoder")], "wan21_i2v": [("tokenizer", "text_encoder")],
     "wan22": [("tokenizer", "text_encoder")], "ltx2": [("tokenizer", "text_encoder")],
 }
@@ -85,13 +87,16 @@ def _sample(pipe, family: str, output_type: str, prompt: str = PROMPT, **overrid
     kwargs = {**size.call_kwargs(), "num_inference_steps": 2, "output_type": output_type}
     if family == "wan21_i2v":
         kwargs["image"] = _condition_image(size.width, size.height)
+    if family == "flux_kontext":     # an edit: a source of another size, kept as it is
+        kwargs.update(image=_condition_image(80, 48), _auto_resize=False,
+                      max_area=size.height * size.width)
     if family == "ltx2":
         kwargs.update(LTX2_PLAIN)
     kwargs.update(overrides)
     out = pipe(prompt=prompt, generator=torch.Generator().manual_seed(0), **kwargs)
     if family == "ltx2":
         return [out.frames, out.audio]
-    return [out.images if family in ("sd3", "flux") else out.frames]
+    return [out.images if family in ("sd3", "flux", "flux_kontext") else out.frames]
 
 
 def _files(directory: Path) -> dict[str, str]:
@@ -114,6 +119,9 @@ def test_diffusers_pipelines_load_and_sample(family, pipelines, tiny_checkpoint)
         assert torch.equal(a, b)                       # same files, same numbers
     other = _sample(pipe, family, "latent", prompt=OTHER_PROMPT)
     assert (latents[0] - other[0]).abs().max() > 1e-3   # the text condition reaches the latents
+    if family == "flux_kontext":                        # and the edit's source does
+        flipped = _condition_image(80, 48).transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
+        assert (latents[0] - _sample(pipe, family, "latent", image=flipped)[0]).abs().max() > 1e-3
 
     decoded = _sample(pipe, family, "pt")
     assert [tuple(t.shape) for t in decoded] == DECODED_SHAPES[family]
