@@ -104,7 +104,7 @@ def test_startup_checks_fail_on_purpose(deployed, tmp_path, monkeypatch):
     trainer = Trainer(trainer_config(tmp_path, family, config, Algorithm.FLOW_GRPO))
 
     with pytest.raises(StartupCheckError) as err:
-        trainer.check_lora_map(publish_transform=swap_qk)
+        trainer.startup.lora_map(publish_transform=swap_qk)
     assert err.value.field == "lora_map"
     trainer.publish_sampling()
     pending = trainer.submit(0)
@@ -121,5 +121,5 @@ def test_startup_checks_fail_on_purpose(deployed, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.family.denoiser, "time_convention",
                         TimeConvention.DATA_PROGRESS)
     with pytest.raises(StartupCheckError) as err:
-        trainer.check_time_convention()
+        trainer.startup.time_convention()
     assert err.value.field == "adapter.time_convention"

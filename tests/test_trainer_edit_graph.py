@@ -117,7 +117,7 @@ def test_edit_startup_checks_fail_on_purpose(deployed, tmp_path, monkeypatch):
 
     trainer = Trainer(trainer_config(tmp_path, deployed, Algorithm.FLOW_GRPO))
     with pytest.raises(StartupCheckError) as err:
-        trainer.check_lora_map(publish_transform=swap_qk)
+        trainer.startup.lora_map(publish_transform=swap_qk)
     assert err.value.field == "lora_map"
 
     trainer.publish_sampling()
@@ -141,6 +141,6 @@ def test_edit_startup_checks_fail_on_purpose(deployed, tmp_path, monkeypatch):
 
     monkeypatch.setattr(family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
     with pytest.raises(StartupCheckError) as err:
-        trainer.check_time_convention()
+        trainer.startup.time_convention()
     assert err.value.field == "adapter.time_convention"
     trainer.learners.close()

@@ -85,11 +85,11 @@ def test_resume_continues_from_checkpoint(graph, tmp_path):
 def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
     from trainer.loop import Trainer
     trainer = Trainer(trainer_config(tmp_path, Algorithm.FLOW_GRPO, "serial"))
-    report = trainer.check_lora_map()
+    report = trainer.startup.lora_map()
     assert report["lora_probe_max_diff"] <= 1e-4
 
     with pytest.raises(StartupCheckError) as e:
-        trainer.check_lora_map(publish_transform=swap_qk)
+        trainer.startup.lora_map(publish_transform=swap_qk)
     assert e.value.field == "lora_map"
 
     trainer.publish_sampling()
@@ -107,7 +107,7 @@ def test_startup_checks_fail_on_purpose(graph, tmp_path, monkeypatch):
     # the flip removed: declare the other convention
     monkeypatch.setattr(trainer.family.denoiser, "time_convention", TimeConvention.DATA_PROGRESS)
     with pytest.raises(StartupCheckError) as e:
-        trainer.startup_checks()
+        trainer.startup.run()
     assert e.value.field == "adapter.time_convention"
 
 

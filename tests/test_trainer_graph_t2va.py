@@ -75,9 +75,9 @@ def test_flip_removed_fails_t2va(graph, tmp_path, monkeypatch):
     from trainer.loop import Trainer
     trainer = Trainer(trainer_config(tmp_path, Algorithm.NFT, "serial",
                                      checks={"lora_map": False}))
-    assert trainer.startup_checks()["cos_declared@0.5"] > 0.3
+    assert trainer.startup.run()["cos_declared@0.5"] > 0.3
     assert trainer.family.denoiser.time_convention is TimeConvention.DATA_PROGRESS
     monkeypatch.setattr(trainer.family.denoiser, "time_convention", TimeConvention.NOISE_LEVEL)
     with pytest.raises(StartupCheckError) as e:
-        trainer.startup_checks()
+        trainer.startup.run()
     assert e.value.field == "adapter.time_convention"

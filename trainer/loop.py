@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import ray
 import torch
 
 from adapters.registry import get_family
-from contract import (Algorithm, ConfigError, PolicyKind, PromptBundle, RolloutError,
-                      RolloutOutput, RolloutRequest, SamplerKind, Task, normalize_media)
+from contract import (Algorithm, ConfigError, PromptBundle, RolloutError, RolloutOutput,
+                      RolloutRequest)
 from deployments.client import RolloutClient
 from deployments.failures import RetryBudget
 from trainer import checks
@@ -34,17 +33,12 @@ from trainer.evaluation import Evaluation
 from trainer.learner import Learner
 from trainer.logs import MetricsLogger, WandbRun, plot_reward_curve
 from trainer.lora import OLD_ADAPTER, TRAIN_ADAPTER
-from trainer.prompts import make_requests, probe_clean_latents
+from trainer.prompts import make_requests
 from trainer.sync import PolicyPublisher
 from trainer.run_state import PromptFeed
+from trainer.startup import StartupChecks, held_out_media
 from trainer.learner_worker import CONDITIONED_TASKS
 from trainer.rollout_batch import StageConditions, build_batch, canonical_media
-
-# Tasks whose start-up checks run with the held-out prompts' condition media: an edit's source
-# image conditions the model (shown to the conditioner, its latents a forward input) and no
-# text-only request of an edit folder exists. Keyframe tasks (held state entries) run them on
-# the family's text task.
-CHECKED_WITH_MEDIA = (Task.EDIT,)
 
 # A batch lost to a retryable failure is resubmitted until this budget is spent: Serve replacing
 # a replica means a process start and a model load (minutes for a large model on a GPU node).
@@ -72,8 +66,9 @@ def stale_rows(versions: Sequence[str], published: Sequence[str], max_staleness:
 class Trainer:
     """The training loop (this module's docstring), composed of the objects it owns: the prompt
     feed, the learners, the publisher, the logger, the evaluation (trainer/evaluation.py) and
-    the checkpoints (trainer/checkpointing.py), each constructed with what it reads; the loop's
-    counters (step, sampling versions, dropped rows, retries) are the Trainer's own."""
+    the checkpoints (trainer/checkpointing.py) and the start-up checks (trainer/startup.py),
+    each constructed with what it reads; the loop's counters (step, sampling versions, dropped
+    rows, retries) are the Trainer's own."""
 
     def __init__(self, cfg: TrainerConfig, client: RolloutClient | None = None,
                  progress: bool = False):
@@ -108,10 +103,10 @@ class Trainer:
             self.family.load_media_encoders() if media else {})
         # where the step runs: this process, or a Ray Train worker group (trainer/distributed.py)
         # that holds the model; the encoder stage's probe sets the learners' condition check
+        probe_media = held_out_media(self.feed, cfg.task, 1)[1]
         self.learners = build_learners(cfg, self.learner, self.graph, self.run_dir,
-                                       self.client.conditions(
-                                           self.eval_prompts[:1],
-                                           media=self.check_media(1)[1])[0])
+                                       self.client.conditions(self.eval_prompts[:1],
+                                                              media=probe_media)[0])
         self.publisher = PolicyPublisher(self.graph.policy_store,
                                          f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}",
                                          kind=self.learners.kind)
@@ -133,6 +128,10 @@ class Trainer:
                                      wandb=self.logger.wandb, media_every=cfg.wandb.media_every)
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.learners, self.publisher,
                                        self.feed, self.ema, self.gen)
+        self.startup = StartupChecks(cfg.checks, cfg.sampler, cfg.task, cfg.prompts, cfg.seed,
+                                     self.family, self.feed, self.learners, self.publisher,
+                                     self.rollout, self.conditions,
+                                     conditions=self.client.conditions)
 
     # ---- versions ------------------------------------------------------------------------------
     @property
@@ -237,77 +236,6 @@ class Trainer:
         return self.collect(Pending(self.step, [], requests, self.client.submit(requests),
                                     time.perf_counter()))[0]
 
-    # ---- start-up checks -----------------------------------------------------------------------
-    def startup_checks(self) -> dict[str, float]:
-        c, report = self.cfg.checks, {}
-        if c.time_convention:
-            report.update(self.check_time_convention())
-        if c.lora_map and self.learners.kind is PolicyKind.LORA:
-            report.update(self.check_lora_map())
-        return report
-
-    def check_media(self, n: int) -> tuple[list | None, list[dict] | None]:
-        """The first n held-out prompts' condition media for the start-up checks of a task in
-        CHECKED_WITH_MEDIA (an edit's source image): (MediaInputs per prompt, as requests carry
-        them; role -> tensor per prompt, as the graph's stages read them); else (None, None)."""
-        task = self.cfg.task
-        if task not in CHECKED_WITH_MEDIA:
-            return None, None
-        media = (self.feed.eval_extras()[1] or [])[:n]
-        if len(media) < n or any(m is None for m in media):
-            raise ConfigError(f"the {task.value} start-up checks run on the held-out prompts' "
-                              "condition media", field="data.test", expected=f">= {n} records "
-                              "with media", actual=len([m for m in media if m is not None]))
-        return media, [{role: item.data for role, item in
-                        normalize_media(m, task, "startup-check").items()} for m in media]
-
-    def check_time_convention(self) -> dict[str, float]:
-        """Against the checkpoint's own scheduler where it has one (any weights), else on
-        clean latents of real media (the embedded models' trained weights)."""
-        prompts = self.eval_prompts[:2]
-        inputs, media = self.check_media(len(prompts))
-        sampling = make_requests(self.family, prompts, self.cfg.sampler, 1, seed=0,
-                                 version=None, sampler=SamplerKind.ODE, media=inputs,
-                                 task=self.cfg.task if inputs else None)[0].sampling
-        if self.family.pipeline_scheduler(sampling) is not None:
-            return self.learners.on_learner(checks.check_time_convention_scheduler, prompts,
-                                            sampling, 0, 1e-5,
-                                            self.client.conditions(prompts, media=media), media)
-        x0, probe = probe_clean_latents(self.cfg.prompts, self.family)
-        return self.learners.on_learner(checks.check_time_convention, x0, probe, 0.3, 0,
-                                        self.client.conditions(probe))
-
-    def check_lora_map(self, publish_transform=None) -> dict[str, float]:
-        tensors, scale = self.learners.on_learner(checks.probe_lora_ref, self.cfg.seed)
-        sent = tensors
-        if publish_transform:           # a deliberately broken map (tests): transformed here
-            sent = publish_transform(ray.get(tensors).unpack())
-        version, _ = self.publisher.publish(f"probe-{uuid.uuid4().hex[:4]}", self.step, sent,
-                                            scale)
-        prompts = self.eval_prompts[:2]
-        metadata = (self.feed.eval_extras()[0] or [None])[:2]   # scorers may need it (OCR text)
-        inputs, media = self.check_media(len(prompts))          # an edit's source images
-        num_steps = 4
-        outs = {}
-        for tag, ver in (("probe", version), ("base", "base")):
-            reqs = make_requests(self.family, prompts, self.cfg.sampler, 2, seed=7, version=ver,
-                                 sampler=SamplerKind.ODE, num_steps=num_steps,
-                                 metadata=metadata if metadata[0] is not None else None,
-                                 media=inputs, task=self.cfg.task if inputs else None)
-            outs[tag] = self.rollout(reqs)
-        states = {tag: build_batch(self.conditions, prompts, o, [r.sampling for r in reqs],
-                                   media).x0
-                  for tag, o in outs.items()}
-        seeds = [s for r in reqs for s in r.sampling.seeds]
-        base = outs["base"]          # the encoder stage's conditions of these prompts
-        local = self.learners.on_learner(
-            checks.local_ode_with_probe, tensors, scale, prompts, seeds, num_steps,
-            reqs[0].sampling, [o.conditions["cond"] for o in base],
-            [o.conditions["uncond"] for o in base] if "uncond" in base[0].conditions else None,
-            media)
-        return checks.check_lora_map(states["probe"], states["base"], local,
-                                     self.cfg.checks.lora_map_atol)
-
     # ---- training --------------------------------------------------------------------------------
     def after_update(self) -> float:
         """Refresh/publish the sampling policy after optimizer step `self.step`; sync seconds."""
@@ -368,7 +296,7 @@ class Trainer:
     def _run(self) -> list[dict[str, float]]:
         cfg = self.cfg
         inflight = self.resume() if cfg.resume else None
-        report = self.startup_checks() if self.step == 0 else {}
+        report = self.startup.run() if self.step == 0 else {}
         # the in-flight batch's version before the current one, as the uninterrupted run had it
         resumed = self.checkpoints.publish_inflight(inflight, self.sampling_adapter, self.step)
         if resumed is not None:
