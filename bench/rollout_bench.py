@@ -313,11 +313,14 @@ def bound(curve: dict, steps: int, loads: dict[str, float], requests: int, max_r
             best = min((p for p in p95 if p.startswith("stepwise")), key=p95.get)
             row[name] = {"latency_p95_s": p95, "best_stepwise": best,
                          "best_p95_vs_static_greedy": p95[best] / p95["static_greedy"]}
-        # processor sharing with a fixed cost per step (M/D/1-style): B rows in flight make a
-        # step a + b B; Little's law B = lambda N (a + b B) gives the mean latency N a / (1 - rho)
+        # processor sharing with a fixed cost per step (M/D/1-style): a request steps with its
+        # own row and the lambda W others in flight (Little's law), W = N (a + b (1 + lambda W)),
+        # so the mean latency is N (a + b) / (1 - rho), rho = lambda N b
         rho = rate * steps * b
-        row["stepwise_mean_latency_closed_form_s"] = steps * a / (1 - rho) if rho < 1 else None
+        row["stepwise_mean_latency_closed_form_s"] = steps * (a + b) / (1 - rho) \
+            if rho < 1 else None
         row["per_row_utilization"] = rho
+        row["offered_load_vs_fitted_capacity"] = rate * steps * (a + b * max_rows) / max_rows
         row["min_latency_s"] = steps * (a + b)
         out[load] = row
     return out
