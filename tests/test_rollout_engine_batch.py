@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from adapters.tiny_t2i import TinyT2IFamily
-from contract import (Condition, InvalidRequestError, LimitExceededError, RolloutRequest,
-                      SamplerKind, SamplingSpec, Task)
+from contract import (BranchSpec, Condition, InvalidRequestError, LimitExceededError,
+                      RolloutRequest, SamplerKind, SamplingSpec, Task)
 from diffusion.noise import initial_noise, row_noise
 from diffusion.step import Guidance, predict_velocity, transition
 from diffusion.windows import uses_sde
 from rollout.config import EngineLimits
 from rollout.engine import EmbeddedEngine
-from rollout.engine_api import EngineRequest, Fork, RolloutTree, child_seed
+from rollout.engine_api import EngineRequest, Fork, build_tree, child_seed
 
 torch.set_num_threads(1)
 
@@ -237,7 +237,7 @@ def test_forked_child_equals_an_independent_rollout_from_the_parents_latents(t2i
     finally:
         _shutdown(engine)
     tree = forked.tree
-    assert tree == RolloutTree.build(seeds, forks)
+    assert tree == build_tree(seeds, forks)
     assert len(tree.leaves) == 8 and forked.latents["image_latent"].data.shape[0] == 8
     assert tree.parents[:2] == (-1, -1) and tree.starts[2:6] == (2, 2, 2, 2)
     assert tree.seeds[2] == child_seed(5, 2, 0) and tree.seeds[3] == child_seed(5, 2, 1)
@@ -327,12 +327,13 @@ def test_the_strategy_passes_forks_and_returns_the_leaves_with_their_tree(t2i):
     engine = _engine(t2i)
     strategy = DiffusionStrategy(RolloutConfig(), family, engine, RequestLimits())
     request = RolloutRequest(prompt=prompts[0], task=Task.T2I,
-                             sampling=SamplingSpec(num_steps=5, seeds=(4, 5)))
+                             sampling=SamplingSpec(num_steps=5, seeds=(4, 5)),
+                             branch=BranchSpec(fork_steps=(2,), factor=3))
     try:
-        out = asyncio.run(strategy.generate(request, conds[0], None, (Fork(2, 3),)))
+        out = asyncio.run(strategy.generate(request, conds[0], None))
     finally:
         _shutdown(engine)
-    tree = out.metadata["tree"]
+    tree = out.tree
     assert out.artifacts["image_latent"].data.shape[0] == 6 == len(tree.leaves)
     assert out.seeds == out.trajectory.seeds == tuple(tree.seeds[n] for n in tree.leaves)
     assert [tree.parents[n] for n in tree.leaves] == [0, 0, 0, 1, 1, 1]
