@@ -4,6 +4,7 @@ same shape recoloured; the clip_directional scorer reads the prompt as the edit'
 the source's own caption in the metadata (`source_caption`).
 
     python -m testing.edit_prompts configs/prompts/edit --size 1024 --train 6 --test 2
+    python -m testing.edit_prompts configs/prompts/edit_kontext --size 64 --no-negative
 
 writes train.jsonl / test.jsonl and sources/*.png (size x size: Qwen-Image-Edit takes a square
 source at 1024 x 1024, the size its pipeline resizes to; FLUX.1 Kontext any multiple of 16).

@@ -1,11 +1,10 @@
-"""The edit task (a source image + an instruction -> an image) on FLUX.1 Kontext: the tiny FLUX
-checkpoint saved as FluxKontextPipeline (the same components) against FluxKontextPipeline
+"""The edit task (a source image + an instruction -> an image) on FLUX.1 Kontext: the tiny
+flux_kontext checkpoint (tiny FLUX's components saved by FluxKontextPipeline) against FluxKontextPipeline
 (tests/family_conformance.py, task edit; the edit checks of tests/edit_conformance.py), plus the
 edit's own bad input."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ SOURCE_SIZE = (48, 80)             # the source image's H, W: another size than 
 
 
 class TestFluxKontext(EditConformance):
-    family, checkpoint = "flux", "flux"
+    family, checkpoint = "flux", "flux_kontext"
     options = {"max_sequence_length": 48}
     size = {"height": 64, "width": 96}
     other_sizes = ({"height": 128, "width": 128},)
@@ -40,13 +39,11 @@ class TestFluxKontext(EditConformance):
     test_lora_file_round_trip_through_diffusers_loader = None
 
     @pytest.fixture(scope="class")
-    def root(self, tiny_checkpoint, tmp_path_factory):
-        """The tiny FLUX components saved by FluxKontextPipeline (model_index names it)."""
-        folder = tmp_path_factory.mktemp("kontext") / "flux_kontext"
-        shutil.copytree(tiny_checkpoint("flux"), folder)
+    def root(self, tiny_checkpoint):
+        """The tiny flux_kontext checkpoint: FluxKontextPipeline wrote it (model_index names it)."""
+        folder = tiny_checkpoint(self.checkpoint)
         index = json.loads((folder / "model_index.json").read_text())
-        (folder / "model_index.json").write_text(json.dumps(
-            index | {"_class_name": "FluxKontextPipeline"}))
+        assert index["_class_name"] == "FluxKontextPipeline"
         return folder
 
     def source_image(self, inverted=False):

@@ -22,25 +22,22 @@ from trainer.datasets import check_task_media, load_prompt_file
 torch.set_num_threads(1)
 EDIT_PROMPTS = "configs/prompts/edit"
 TINY_RECIPE = "configs/train_qwen_image_edit_tiny.yaml"
+KONTEXT_PROMPTS = "configs/prompts/edit_kontext"       # the same edits at 64 x 64, no negative
+KONTEXT_RECIPE = "configs/train_flux_kontext_tiny.yaml"
 SIZE = {"height": 32, "width": 48}
 # family, tiny checkpoint, options, source side, negative prompt, guidance scale
 CASES = {"qwen_image_edit": ("qwen_image", "qwen_image_edit", {"max_sequence_length": 48},
                              1024, " ", 4.0),
-         "flux_kontext": ("flux", "flux", {"max_sequence_length": 48}, 64, None, 3.5)}
+         "flux_kontext": ("flux", "flux_kontext", {"max_sequence_length": 48}, 64, None, 3.5)}
 
 
 def edit_root(case: str, tiny_checkpoint, tmp_path_factory):
-    """The case's checkpoint folder: Qwen-Image-Edit's own; for Kontext the tiny FLUX
-    components saved as FluxKontextPipeline (model_index.json names it)."""
+    """The case's tiny checkpoint folder (qwen_image_edit, flux_kontext: each saved by its
+    edit pipeline class, model_index.json names it)."""
     root = tiny_checkpoint(CASES[case][1])
-    if case != "flux_kontext":
-        return root
-    folder = tmp_path_factory.mktemp("kontext") / "flux_kontext"
-    shutil.copytree(root, folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps(index | {"_class_name":
-                                                                 "FluxKontextPipeline"}))
-    return folder
+    index = json.loads((root / "model_index.json").read_text())
+    assert index["_class_name"] in ("QwenImageEditPipeline", "FluxKontextPipeline")
+    return root
 
 
 def test_edit_prompt_files_carry_their_source_and_a_missing_one_is_named(tmp_path):
@@ -101,6 +98,47 @@ def test_edit_prompt_files_carry_their_source_and_a_missing_one_is_named(tmp_pat
         PromptFeed(cfg.model_copy(update={"data": None}), tokenize).check_task_media(
             Task.EDIT, (MediaRole.IMAGE,))
     assert err.value.field == "data"
+
+
+def test_the_kontext_tiny_recipe_is_the_qwen_edit_recipe_on_its_checkpoint(tiny_checkpoint,
+                                                                           tmp_path):
+    """configs/train_flux_kontext_tiny.yaml: configs/train_qwen_image_edit_tiny.yaml's recipe
+    on the flux family (differing only in the graph, the prompt files, the guidance scale and
+    bookkeeping), its prompt files (configs/prompts/edit_kontext) what the writer writes at 64 x
+    64 without a negative prompt, each record's source at that size; the config check passes on
+    the tiny flux_kontext checkpoint and names weights_path without one."""
+    from testing.edit_prompts import write_edit_prompts
+    from trainer.__main__ import check
+    from trainer.config import load_trainer_config
+    kontext, qwen = load_trainer_config(KONTEXT_RECIPE), load_trainer_config(TINY_RECIPE)
+    assert kontext.task is Task.EDIT and kontext.graph_config().rollout.adapter == "flux"
+    name, _, options, side, negative, guidance = CASES["flux_kontext"]   # the case tested here
+    assert kontext.graph_config().rollout.adapter_options == options
+    assert kontext.sampler.guidance_scale == guidance
+    assert kontext.sampler.height == SIZE["height"] and kontext.sampler.width == SIZE["width"]
+    differs = {k for k in kontext.model_dump()
+               if kontext.model_dump()[k] != qwen.model_dump()[k]}
+    assert differs == {"graph", "data", "sampler", "wandb", "run_dir"}, differs
+    assert kontext.sampler.model_copy(update={"guidance_scale": 4.0}) == qwen.sampler
+
+    train, test = write_edit_prompts(tmp_path, size=side, negative=negative)
+    for path in (train, test):
+        shipped = f"{KONTEXT_PROMPTS}/{path.name}"
+        assert path.read_text() == open(shipped).read()
+        records = load_prompt_file(shipped)
+        check_task_media(records, (MediaRole.IMAGE,), "edit")
+        for record in records:
+            [source] = record.media_inputs()
+            assert source.data.shape == (3, side, side) and record.negative is None
+    for png in (tmp_path / "sources").iterdir():
+        assert png.read_bytes() == open(f"{KONTEXT_PROMPTS}/sources/{png.name}", "rb").read()
+
+    root = tiny_checkpoint("flux_kontext")
+    assert check(load_trainer_config(KONTEXT_RECIPE,
+                                     {"graph.rollout.weights_path": str(root)})) == "ok"
+    with pytest.raises(ConfigError) as err:
+        check(kontext)
+    assert err.value.field == "weights_path"
 
 
 # Qwen-Image-Edit's source is ~1024 x 1024 (4096 appended tokens per row): minutes on 2 CPU
