@@ -26,10 +26,10 @@ read; A: the attention width; U: the MLP's up projection output, 2 x ffn when ga
   inference   the caller's block input + the larger of the attention phase (1 + 6 A / H) and the
               MLP phase (3 + 2 U / H): one block's live tensors, nothing kept across blocks
               (the engine runs under inference_mode)
-  training    each block keeps what its backward reads: 21 + 10 A / H + 5 ffn / H (LoRA: frozen
-              base weights) or 29 + 14 A / H + 5 ffn / H (full); with gradient checkpointing
-              each block keeps only its input and one block is recomputed at a time (its saved
-              tensors + the inference peak as backward's transient)
+  training    each block keeps what its backward reads: 10 + 8 A / H + 4 ffn / H (LoRA: frozen
+              base weights) or 18 + 12 A / H + 4 ffn / H (full); with gradient checkpointing
+              each block keeps only its input (1) and one block is recomputed at a time: its
+              kept tensors + backward's own, 3 + 2 ffn / H
 Rows: a forward's rows (max_batch_rows, micro_batch_size; doubled under CFG) run through the
 transformer at most `rows_per_call` at a time where the family's denoiser declares it
 (MiniMax-H3: 1, each row's packed sequence alone), so only that many rows' block tensors are live;
@@ -160,8 +160,15 @@ def training_factor(count: ModuleCount, lora: bool) -> float:
     h = max(count.hidden, 1)
     attention = count.attention or count.hidden
     ffn = count.ffn or 4 * count.hidden
-    return (21 + 10 * attention / h + 5 * ffn / h) if lora else \
-        (29 + 14 * attention / h + 5 * ffn / h)
+    return (10 + 8 * attention / h + 4 * ffn / h) if lora else \
+        (18 + 12 * attention / h + 4 * ffn / h)
+
+
+def recompute_factor(count: ModuleCount, lora: bool) -> float:
+    """The peak of one checkpointed block's backward per row-token (hidden x bytes units): its
+    recomputed kept tensors + backward's own (the MLP's gradients, 3 + 2 ffn / H)."""
+    ffn = count.ffn or 4 * count.hidden
+    return training_factor(count, lora) + 3 + 2 * ffn / max(count.hidden, 1)
 
 
 def rows_per_call(family, rows: int) -> int:
@@ -375,10 +382,9 @@ def plan_memory(architecture: str, settings: Settings, graph=None,
     blocks = max(main.blocks, 1)
 
     def learner_activations(lora: bool) -> int:
-        keep = training_factor(main, lora)
         if settings.gradient_checkpointing:      # every row's block inputs + one block redone
-            return int(per_row * (micro * blocks + live * (keep + inference_factor(main))))
-        return int(per_row * micro * blocks * keep)
+            return int(per_row * (micro * blocks + live * recompute_factor(main, lora)))
+        return int(per_row * micro * blocks * training_factor(main, lora))
 
     media = sum(counts[c].params for c in spec.media_encoders) * learn_b if conditioned else 0
     lora = lora_params(family, root, settings.lora_rank)
@@ -515,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["MemoryPlan", "ProcessMemory", "Settings", "plan_memory", "format_plan",
-           "own_architecture", "inference_factor", "training_factor", "config_fit", "main"]
+           "own_architecture", "inference_factor", "training_factor", "recompute_factor",
+           "config_fit", "main"]
 
 
 # ---- a config's processes on its GPUs --------------------------------------------------------------

@@ -138,7 +138,8 @@ def test_plan_counts_the_real_classes_parameters_and_mlp_widths(architecture):
 class LiveBytes:
     """Bytes of the tensors created inside the context that are still alive, and their peak:
     every op's outputs are recorded by storage (torch's dispatch mode) and dropped when the
-    storage is freed; tensors made before entering (inputs, weights) are not counted."""
+    storage is freed; tensors made before entering (inputs, weights) and views of an op's
+    inputs (a weight's transpose) are not counted."""
 
     def __init__(self):
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -149,10 +150,13 @@ class LiveBytes:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 tracker.sweep()
+                inputs = {t.untyped_storage()._cdata
+                          for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}
                 for t in torch.utils._pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         s = t.untyped_storage()
-                        if s._cdata not in tracker.live:
+                        if s._cdata not in tracker.live and s._cdata not in inputs:
                             tracker.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
                             tracker.now += s.nbytes()
                 tracker.peak = max(tracker.peak, tracker.now)
@@ -195,11 +199,15 @@ def test_block_activation_factors_match_the_real_blocks_live_bytes(heads):
     from the block's counted widths) against the bytes a real MiniMax-H3 block holds in bf16:
     in inference the peak of its live tensors (+ its input, which the caller holds), in
     training what it keeps for backward after its forward -- with LoRA on the family's targets
-    (frozen base weights) and with every weight trained -- each within 10 %."""
+    (frozen base weights) and with every weight trained -- and, checkpointed (LoRA), what it
+    keeps (its output: the next block's input) and the peak of its recompute + backward, each
+    within 10 %."""
     from peft import LoraConfig, inject_adapter_in_model
+    from torch.utils.checkpoint import checkpoint
 
     from adapters.minimax_h3 import MINIMAX_H3_LORA_TARGETS
-    from bench.memory_plan import ModuleCount, inference_factor, training_factor
+    from bench.memory_plan import (ModuleCount, inference_factor, recompute_factor,
+                                   training_factor)
     tokens = 1024
     count = ModuleCount.of(_minimax_block(heads))
     assert (count.hidden, count.ffn, count.up, count.attention) == \
@@ -210,20 +218,32 @@ def test_block_activation_factors_match_the_real_blocks_live_bytes(heads):
     with torch.inference_mode(), LiveBytes() as live:
         block(x, temb, idx, rope)
     _close(int(inference_factor(count) * unit), live.peak + x.nbytes)
-    for lora in (True, False):
+
+    def trained(lora: bool):
         block = _minimax_block(heads)
         if lora:
             block.requires_grad_(False)
             inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16,
                                                target_modules=list(MINIMAX_H3_LORA_TARGETS)),
                                     block)
-        block = block.to(torch.bfloat16)
+        return block.to(torch.bfloat16)
+
+    for lora in (True, False):
+        block = trained(lora)
         x, temb, idx, rope = _block_inputs(tokens, grad=True)
         with LiveBytes() as live:
             y = block(x, temb, idx, rope)
             live.sweep()
             kept = live.now - y.nbytes                        # what backward will read
         _close(int(training_factor(count, lora) * unit), kept)
+    block = trained(True)
+    x, temb, idx, rope = _block_inputs(tokens, grad=True)
+    with LiveBytes() as live:
+        y = checkpoint(block, x, temb, idx, rope, use_reentrant=False)
+        live.sweep()
+        assert live.now == y.nbytes                           # nothing kept but the output
+        y.float().pow(2).mean().backward()
+    _close(int(recompute_factor(count, True) * unit), live.peak)
 
 
 def test_minimax_h3_rollout_runs_one_row_per_transformer_call(tiny_checkpoint):
