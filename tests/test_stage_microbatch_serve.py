@@ -9,7 +9,7 @@ import torch
 
 from contract import ArtifactHandle, MediaArtifact, SamplingSpec, StageOutput
 
-WAIT_S = 0.5        # long enough that calls sent together on a loaded machine meet in one batch
+WAIT_S = 2.0        # long enough that calls sent together on a loaded machine meet in one batch
 TEXTS = ["a red circle", "two small blue squares at the bottom right on a white background",
          "a green triangle next to a yellow star"]
 
