@@ -228,24 +228,16 @@ class HTTPRolloutRequest(FrozenModel):
         return value
 
     @model_validator(mode="after")
-    def _check_metadata_count(self) -> "HTTPRolloutRequest":
-        if self.metadata is not None and len(self.metadata) != len(self.prompts):
-            raise InvalidRequestError("one metadata object per prompt", field="metadata",
-                                      expected=len(self.prompts), actual=len(self.metadata))
-        return self
-
-    @model_validator(mode="after")
-    def _check_image_count(self) -> "HTTPRolloutRequest":
-        if self.images is not None and len(self.images) != len(self.prompts):
-            raise InvalidRequestError("one image per prompt", field="images",
-                                      expected=len(self.prompts), actual=len(self.images))
-        return self
-
-    @model_validator(mode="after")
-    def _check_media_count(self) -> "HTTPRolloutRequest":
-        if self.media is not None and len(self.media) != len(self.prompts):
-            raise InvalidRequestError("one condition-media object per prompt", field="media",
-                                      expected=len(self.prompts), actual=len(self.media))
+    def _check_per_prompt_counts(self) -> "HTTPRolloutRequest":
+        """metadata, images and media, when sent, hold one entry per prompt (checked in that
+        order)."""
+        for name, what in (("metadata", "one metadata object per prompt"),
+                           ("images", "one image per prompt"),
+                           ("media", "one condition-media object per prompt")):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.prompts):
+                raise InvalidRequestError(what, field=name, expected=len(self.prompts),
+                                          actual=len(values))
         return self
 
     @model_validator(mode="after")
