@@ -38,20 +38,25 @@ def _moved(learner: Learner, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
 
 
+def _objects(cfg: TrainerConfig):
+    """What Checkpoints saves and restores: a real tiny learner (and its local group), the
+    prompt feed and the loop's generator."""
+    torch.set_num_threads(1)
+    family = TinyT2IFamily()
+    learner = Learner(family, family.load_transformers(), family.load_encoders(), cfg.lora,
+                      cfg.optimizer)
+    return (learner, LocalLearners(cfg, learner, Colocation(None)),
+            PromptFeed(cfg, family.conditioner.tokenize), torch.Generator().manual_seed(cfg.seed))
+
+
 def _state(learner: Learner) -> dict[str, torch.Tensor]:
     return {f"{n}/{k}": v.clone() for n in (TRAIN_ADAPTER, OLD_ADAPTER)
             for k, v in learner.export(n)[0].items()}
 
 
 def test_save_then_load_restores_the_objects_and_returns_the_counters(tmp_path):
-    torch.set_num_threads(1)
-    family = TinyT2IFamily()
     cfg = _config(tmp_path)
-    learner = Learner(family, family.load_transformers(), family.load_encoders(), cfg.lora,
-                      cfg.optimizer)
-    learners = LocalLearners(cfg, learner, Colocation(None))
-    feed = PromptFeed(cfg, family.conditioner.tokenize)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    learner, learners, feed, gen = _objects(cfg)
     run_dir = tmp_path / "run"
     # publisher: not reached -- nothing is in flight and the in-flight tensors are the current
     checkpoints = Checkpoints(run_dir, cfg, learners, None, feed, None, gen)
@@ -85,14 +90,8 @@ def test_save_then_load_restores_the_objects_and_returns_the_counters(tmp_path):
 
 
 def test_a_changed_config_is_refused_before_anything_is_restored(tmp_path):
-    torch.set_num_threads(1)
-    family = TinyT2IFamily()
     cfg = _config(tmp_path)
-    learner = Learner(family, family.load_transformers(), family.load_encoders(), cfg.lora,
-                      cfg.optimizer)
-    learners = LocalLearners(cfg, learner, Colocation(None))
-    feed = PromptFeed(cfg, family.conditioner.tokenize)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    learner, learners, feed, gen = _objects(cfg)
     Checkpoints(tmp_path / "run", cfg, learners, None, feed, None, gen).save(1, ["run/v1"], 0, 0)
     _moved(learner, 3)
     after, gen_state = _state(learner), gen.get_state()
