@@ -23,6 +23,17 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 @pytest.fixture(scope="session")
+def tiny_t2i_weights(tmp_path_factory) -> str:
+    """A complete tiny_t2i weights folder (a fresh DiT / VAE at seed 0; the real MiniLM text
+    encoder), read-only for the tests that load it."""
+    from adapters.tiny_t2i import TinyT2IFamily
+    family = TinyT2IFamily()
+    path = tmp_path_factory.mktemp("tiny_t2i_weights")
+    family.save(family.build(seed=0), path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray cluster + Serve with its HTTP proxy on 127.0.0.1 (a free port)."""
     import ray

@@ -28,26 +28,16 @@ TEXTS = ["a red circle on the left", "two small blue squares",
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    """A complete tiny_t2i weights folder (fresh DiT/VAE; the real MiniLM text encoder)."""
-    from adapters.tiny_t2i import TinyT2IFamily
-    family = TinyT2IFamily()
-    path = tmp_path_factory.mktemp("tiny_t2i_weights")
-    family.save(family.build(seed=0), path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def reference(weights):
+def reference(tiny_t2i_weights):
     """Prompts and the unsharded encoder's Condition for them (in this process)."""
     from adapters.registry import get_family
-    family = get_family("tiny_t2i", weights)
+    family = get_family("tiny_t2i", tiny_t2i_weights)
     encoders = load_encoders(family)
     prompts = family.conditioner.tokenize(TEXTS)
     return prompts, family.conditioner.encode(encoders, prompts), param_bytes(encoders, family)
 
 
-def test_etp_values_and_bad_etp(weights):
+def test_etp_values_and_bad_etp(tiny_t2i_weights):
     assert valid_etp_values(12) == (1, 2, 3, 4, 6, 12)
     assert check_etp(6, 12) == 6
     for bad in (5, 0, 24, 2.0, True):
@@ -55,14 +45,14 @@ def test_etp_values_and_bad_etp(weights):
             check_etp(bad, 12)
         assert e.value.field == "etp" and e.value.actual == bad
     with pytest.raises(ConfigError) as e:          # the replica checks before any worker starts
-        TextEncoderServer("tiny_t2i", weights, etp=5)
+        TextEncoderServer("tiny_t2i", tiny_t2i_weights, etp=5)
     assert e.value.field == "etp" and e.value.actual == 5
     assert e.value.expected == [1, 2, 3, 4, 6, 12]
     with pytest.raises(ConfigError) as e:
         TextEncoderServer.deployment_options(0, 0.25)
     assert e.value.field == "etp"
     with pytest.raises(ConfigError) as e:          # etp > 1 without the derived placement group
-        TextEncoderServer("tiny_t2i", weights, etp=2)
+        TextEncoderServer("tiny_t2i", tiny_t2i_weights, etp=2)
     assert e.value.field == "etp"
 
 
@@ -103,10 +93,10 @@ def _check_condition(cond, ref, prompts) -> None:
     assert cond["mask"].sum(1).tolist() == [len(p.token_ids) for p in prompts]
 
 
-def test_etp1_runs_in_process(weights, reference):
+def test_etp1_runs_in_process(tiny_t2i_weights, reference):
     """etp 1: no workers, no placement group; the replica body encodes in-process."""
     prompts, ref, full = reference
-    server = TextEncoderServer("tiny_t2i", weights, etp=1)
+    server = TextEncoderServer("tiny_t2i", tiny_t2i_weights, etp=1)
     _check_condition(asyncio.run(server.encode(prompts)), ref, prompts)
     assert asyncio.run(server.shard_workers()) == []
     (own,) = asyncio.run(server.shard_param_bytes())
@@ -117,7 +107,7 @@ def test_etp1_runs_in_process(weights, reference):
 
 
 @pytest.mark.parametrize("etp", [2, 4])
-def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, etp):
+def test_etp_matches_unsharded_and_workers_die(ray_cluster, tiny_t2i_weights, reference, etp):
     from ray import serve
 
     prompts, ref, full = reference
@@ -128,7 +118,7 @@ def test_etp_matches_unsharded_and_workers_die(ray_cluster, weights, reference, 
                                                    shard_memory_bytes=SHARD_MEMORY)}
     app_name = f"etp{etp}"
     handle = serve.run(serve.deployment(TextEncoderServer, **opts).bind(
-        "tiny_t2i", weights, etp, "cpu"), name=app_name, route_prefix=None)
+        "tiny_t2i", tiny_t2i_weights, etp, "cpu"), name=app_name, route_prefix=None)
     try:
         cond = handle.encode.remote(prompts).result(timeout_s=120)
         _check_condition(cond, ref, prompts)

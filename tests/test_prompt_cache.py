@@ -22,15 +22,6 @@ TEXTS = ["a red circle on the left", "two small blue squares", "a green triangle
 GROUP = 4
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    from adapters.tiny_t2i import TinyT2IFamily
-    family = TinyT2IFamily()
-    path = tmp_path_factory.mktemp("tiny_t2i_weights")
-    family.save(family.build(seed=0), path)
-    return str(path)
-
-
 def _counted(server: TextEncoderServer) -> list[int]:
     """Rows of every forward of the replica's (only) text encoder."""
     rows: list[int] = []
@@ -40,8 +31,8 @@ def _counted(server: TextEncoderServer) -> list[int]:
     return rows
 
 
-def test_group_and_second_epoch_encode_once(weights):
-    server = TextEncoderServer("tiny_t2i", weights, prompt_cache_bytes=2**20)
+def test_group_and_second_epoch_encode_once(tiny_t2i_weights):
+    server = TextEncoderServer("tiny_t2i", tiny_t2i_weights, prompt_cache_bytes=2**20)
     rows = _counted(server)
     family = server.family
     prompts = family.conditioner.tokenize(TEXTS)
@@ -73,8 +64,8 @@ def test_group_and_second_epoch_encode_once(weights):
                         assert torch.equal(cond[name], t), name    # bitwise
 
 
-def test_batch_with_repeats_encodes_distinct_misses_once(weights):
-    server = TextEncoderServer("tiny_t2i", weights, prompt_cache_bytes=2**20)
+def test_batch_with_repeats_encodes_distinct_misses_once(tiny_t2i_weights):
+    server = TextEncoderServer("tiny_t2i", tiny_t2i_weights, prompt_cache_bytes=2**20)
     rows = _counted(server)
     prompts = server.family.conditioner.tokenize(TEXTS)
     batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[1]]
@@ -87,8 +78,8 @@ def test_batch_with_repeats_encodes_distinct_misses_once(weights):
         assert cond.token_ids[i] == ref.token_ids[0]
 
 
-def test_no_cache_encodes_every_call(weights):
-    server = TextEncoderServer("tiny_t2i", weights)          # prompt_cache_bytes 0
+def test_no_cache_encodes_every_call(tiny_t2i_weights):
+    server = TextEncoderServer("tiny_t2i", tiny_t2i_weights)          # prompt_cache_bytes 0
     rows = _counted(server)
     prompt = server.family.conditioner.tokenize(TEXTS[:1])
     asyncio.run(server.encode(prompt))
@@ -96,8 +87,8 @@ def test_no_cache_encodes_every_call(weights):
     assert rows == [1, 1]
 
 
-def test_entry_of_another_encoder_version_is_never_served(weights):
-    server = TextEncoderServer("tiny_t2i", weights, prompt_cache_bytes=2**20)
+def test_entry_of_another_encoder_version_is_never_served(tiny_t2i_weights):
+    server = TextEncoderServer("tiny_t2i", tiny_t2i_weights, prompt_cache_bytes=2**20)
     prompt = server.family.conditioner.tokenize(TEXTS[:1])
     asyncio.run(server.encode(prompt))
     key = prompt_key(server.family, prompt[0])

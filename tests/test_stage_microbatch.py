@@ -38,13 +38,6 @@ def test_run_isolated_groups_by_key_and_isolates_a_failing_item():
 
 
 # ---- encoder -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_t2i_weights(tmp_path_factory):
-    from adapters.tiny_t2i import TinyT2IFamily
-    family = TinyT2IFamily()
-    path = tmp_path_factory.mktemp("tiny_t2i_weights")
-    family.save(family.build(seed=0), path)
-    return str(path)
 
 
 def _calls(family):

@@ -14,26 +14,17 @@ TEXTS = ["a red circle", "two small blue squares at the bottom right on a white 
          "a green triangle next to a yellow star"]
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    from adapters.tiny_t2i import TinyT2IFamily
-    family = TinyT2IFamily()
-    path = tmp_path_factory.mktemp("tiny_t2i_weights")
-    family.save(family.build(seed=0), path)
-    return str(path)
-
-
-def test_encoder_replica_batches_concurrent_calls(ray_cluster, weights):
+def test_encoder_replica_batches_concurrent_calls(ray_cluster, tiny_t2i_weights):
     from ray import serve
 
     from deployments.encoder import TextEncoderServer
     from deployments.encoding import encode_prompts, load_encoders
     app = serve.deployment(TextEncoderServer, name="TextEncoder",
                            ray_actor_options={"num_cpus": 0.1}).bind(
-        "tiny_t2i", weights, 1, "cpu", "float32", None, 0, 16, WAIT_S)
+        "tiny_t2i", tiny_t2i_weights, 1, "cpu", "float32", None, 0, 16, WAIT_S)
     handle = serve.run(app, name="encoder_batch", route_prefix=None)
     try:
-        local = TextEncoderServer("tiny_t2i", weights)
+        local = TextEncoderServer("tiny_t2i", tiny_t2i_weights)
         family = local.family
         prompts = family.conditioner.tokenize(TEXTS)
         null = family.conditioner.unconditional(prompts[0])
